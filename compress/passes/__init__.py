@@ -1,0 +1,8 @@
+"""Registry of passes: recipe name -> class. Adding a method is one file plus one line here."""
+
+from .base import LayerPass, RecipeError
+from .rtn import RTN
+
+REGISTRY: dict[str, type[LayerPass]] = {cls.name: cls for cls in (RTN,)}
+
+__all__ = ["REGISTRY", "LayerPass", "RecipeError"]

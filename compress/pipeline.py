@@ -1,0 +1,150 @@
+"""The sequential block sweep: every layer-pass sees one decoder block at a time.
+
+Block 0's inputs are caught with a stand-in on the layer list (no graph tracing);
+then, per block: passes observe and transform it, and the block is re-run on the
+calibration inputs to feed the next block from its *compressed* output. Only the
+current block and one set of activations need to sit on the compute device.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from .arch import arch_of, decoder_layers
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Recorder(torch.nn.Module):
+    """Stands in for a decoder layer: records its call, then passes through or stops."""
+
+    def __init__(self, layer: torch.nn.Module, on_call: Callable):
+        super().__init__()
+        self.layer = layer
+        self.on_call = on_call
+
+    def __getattr__(self, name):  # the model may read attributes such as attention_type
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.layer, name)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.on_call(hidden_states, args, kwargs)
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_to(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _layers_parent(model):
+    path = arch_of(model).layers.rsplit(".", 1)[0]
+    return model.get_submodule(path)
+
+
+@torch.no_grad()
+def capture_inputs(model, ids: torch.Tensor, device: torch.device):
+    """Hidden states entering block 0 for each sample, and each block's call arguments.
+
+    Arguments (masks, rotary tables) are the same for every sample of one length,
+    so they are recorded once per block; Gemma-3 gives local and global layers
+    different ones, hence per block.
+    """
+    layers = decoder_layers(model)
+    parent = _layers_parent(model)
+    for child in parent.children():
+        if child is not layers:
+            child.to(device)
+    originals = list(layers)
+    calls: list[tuple] = [None] * len(layers)
+    inputs: list[torch.Tensor] = []
+    state = {"all": True}
+
+    def recorder(i):
+        def on_call(hidden, args, kwargs):
+            if calls[i] is None:
+                calls[i] = (args, {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")})
+            if i == 0:
+                inputs.append(hidden)
+                if not state["all"]:
+                    raise _Stop
+            return hidden
+
+        return on_call
+
+    for i, layer in enumerate(originals):
+        layers[i] = _Recorder(layer, recorder(i))
+    try:
+        for n in range(ids.shape[0]):
+            state["all"] = n == 0  # one full pass records every block's arguments
+            try:
+                parent(input_ids=ids[n : n + 1].to(device), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer
+    return inputs, calls
+
+
+class BlockData:
+    """One block's calibration inputs and call arguments; runs the block over them."""
+
+    def __init__(self, block: torch.nn.Module, inputs: list[torch.Tensor], call: tuple):
+        self.block = block
+        self.inputs = inputs
+        self.args, self.kwargs = call
+
+    @torch.no_grad()
+    def forward(self, hooks: dict[str, Callable] | None = None) -> list[torch.Tensor]:
+        """Run the block on every sample; ``hooks[name](x)`` sees each named module's input."""
+        handles = [
+            self.block.get_submodule(name).register_forward_pre_hook(lambda m, a, fn=fn: fn(a[0]))
+            for name, fn in (hooks or {}).items()
+        ]
+        try:
+            return [self.block(x, *self.args, **self.kwargs) for x in self.inputs]
+        finally:
+            for h in handles:
+                h.remove()
+
+    def observe(self, groups, make_stat: Callable[[torch.nn.Module], object]) -> dict[str, object]:
+        """One forward over the data, feeding each group's input to one statistic.
+
+        ``groups`` are tuples of linears that read the same input (q/k/v): they
+        share one statistic, built by ``make_stat(first_linear)`` and fed via ``.add(x)``.
+        """
+        stats, hooks = {}, {}
+        for group in groups:
+            stat = make_stat(self.block.get_submodule(group[0]))
+            hooks[group[0]] = stat.add
+            stats.update({name: stat for name in group})
+        self.forward(hooks)
+        return stats
+
+
+def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device, prefix: str | None = None):
+    """Apply layer-passes block by block. ``ids`` is None when no pass needs data."""
+    layers = decoder_layers(model)
+    prefix = prefix if prefix is not None else arch_of(model).layers + "."
+    home = next(layers[0].parameters()).device
+    inputs, calls = capture_inputs(model, ids, device) if ids is not None else (None, None)
+    for i, block in enumerate(tqdm(layers, desc="compressing blocks", unit="block")):
+        block.to(device)
+        data = BlockData(block, inputs, calls[i]) if inputs is not None else None
+        for p in passes:
+            p.apply(block, data, f"{prefix}{i}.")
+        if data is not None and i + 1 < len(layers):
+            inputs = data.forward()  # the next block sees what the compressed block produces
+        block.to(home)

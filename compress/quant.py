@@ -1,0 +1,123 @@
+"""Quantization math shared by every pass: schemes, qparams, quantize/dequantize.
+
+Integers use the signed range of compressed-tensors (4 bits: -8..7) and
+``w ≈ (q - zero_point) * scale``, so what a pass computes is exactly what the
+exported checkpoint dequantizes to. No pass rounds weights by itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+AUTO_GROUP_SIZES = (128, 64, 32)
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """Integer weight quantization: ``group_size=-1`` means one scale per output row."""
+
+    bits: int = 4
+    group_size: int = 128
+    symmetric: bool = False
+
+    def __post_init__(self):
+        if self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
+        if self.group_size != -1 and self.group_size <= 0:
+            raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
+
+    @property
+    def qmin(self) -> int:
+        return -(2 ** (self.bits - 1))
+
+    @property
+    def qmax(self) -> int:
+        return 2 ** (self.bits - 1) - 1
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size == -1 else in_features // self.group_size
+
+    def bits_per_weight(self, in_features: int, scale_bits: int = 16) -> float:
+        """Storage cost per weight including scales and packed zero-points."""
+        group = in_features if self.group_size == -1 else self.group_size
+        extra = scale_bits + (0 if self.symmetric else self.bits)
+        return self.bits + extra / group
+
+    def describe(self) -> str:
+        g = "channel" if self.group_size == -1 else f"g{self.group_size}"
+        return f"W{self.bits} {g} {'sym' if self.symmetric else 'asym'}"
+
+
+@dataclass
+class QuantizedWeight:
+    """The integer form of a linear's weight, kept on the module for export."""
+
+    scheme: QuantScheme
+    q: torch.Tensor  # int8, same shape as the weight
+    scale: torch.Tensor  # (out, groups), in the model's dtype
+    zero_point: torch.Tensor  # (out, groups), int8; zeros when symmetric
+
+
+def resolve_group_size(group_size: int | str, in_features: list[int]) -> int:
+    """``auto`` -> the largest of 128/64/32 that divides every width; else checked as given."""
+    if group_size == "auto":
+        for g in AUTO_GROUP_SIZES:
+            if all(n % g == 0 for n in in_features):
+                return g
+        return -1
+    return int(group_size)
+
+
+def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype):
+    """Min/max scale and zero-point per group of ``w`` (out, in) -> (out, groups) each.
+
+    The scale is rounded to ``dtype`` (the storage dtype) here, so quantizing with
+    it gives the integers that the exported checkpoint will dequantize.
+    """
+    out_features, in_features = w.shape
+    groups = scheme.groups(in_features)
+    wg = w.float().reshape(out_features, groups, -1)
+    wmin = wg.amin(-1).clamp(max=0)
+    wmax = wg.amax(-1).clamp(min=0)
+    if scheme.symmetric:
+        scale = torch.maximum(wmax, -wmin) / ((scheme.qmax - scheme.qmin) / 2)
+        scale = scale.clamp(min=1e-8).to(dtype).float()
+        zero = torch.zeros_like(scale)
+    else:
+        scale = ((wmax - wmin) / (scheme.qmax - scheme.qmin)).clamp(min=1e-8).to(dtype).float()
+        zero = (scheme.qmin - torch.round(wmin / scale)).clamp(scheme.qmin, scheme.qmax)
+    return scale, zero
+
+
+def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Integers (int8) for ``w`` given per-group ``scale``/``zero`` of shape (out, groups)."""
+    out_features, in_features = w.shape
+    wg = w.float().reshape(out_features, scale.shape[1], -1)
+    q = torch.round(wg / scale.float().unsqueeze(-1)) + zero.float().unsqueeze(-1)
+    return q.clamp(scheme.qmin, scheme.qmax).reshape(out_features, in_features).to(torch.int8)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    out_features, in_features = q.shape
+    qg = q.float().reshape(out_features, scale.shape[1], -1) - zero.float().unsqueeze(-1)
+    return (qg * scale.float().unsqueeze(-1)).reshape(out_features, in_features).to(dtype)
+
+
+def quantize_weight(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) -> QuantizedWeight:
+    """Round-to-nearest with min/max qparams: the baseline every method is compared to."""
+    scale, zero = compute_qparams(w, scheme, dtype)
+    q = quantize(w, scale, zero, scheme)
+    return QuantizedWeight(scheme, q, scale.to(dtype), zero.to(torch.int8))
+
+
+def attach(linear: torch.nn.Linear, qw: QuantizedWeight) -> None:
+    """Store the integer form on the module and make its weight the dequantized value."""
+    linear.weight.data = dequantize(qw.q, qw.scale, qw.zero_point, linear.weight.dtype)
+    linear.quantized = qw
+
+
+def quantized_of(linear: torch.nn.Module) -> QuantizedWeight | None:
+    return getattr(linear, "quantized", None)

@@ -1,0 +1,135 @@
+"""Recipe YAML -> validated ``Recipe``. Every error names its YAML path.
+
+```yaml
+description: RTN W4 (one line, shown by `compress recipes`)
+model: smollm2-135m            # alias, local folder or hub id
+calibration: {source: wikitext2, samples: 128, seqlen: 512}
+passes:
+  - rtn: {bits: 4, group_size: auto, symmetric: false, ignore: [lm_head]}
+evaluation: {ppl: wikitext2, seqlen: 2048, windows: 40}
+```
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .models import DEFAULT_MODEL
+from .passes import REGISTRY, LayerPass, RecipeError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Calibration(_Strict):
+    source: str = "wikitext2"
+    samples: int = Field(128, gt=0)
+    seqlen: int = Field(512, gt=1)
+
+
+class Evaluation(_Strict):
+    ppl: Optional[str] = "wikitext2"
+    seqlen: int = Field(2048, gt=1)
+    windows: int = Field(40, gt=0)
+    kl: bool = True  # KL divergence and top-1 agreement against the uncompressed model
+
+
+class Export(_Strict):
+    format: str = Field("compressed-tensors", pattern="^compressed-tensors$")
+
+
+class _RecipeFields(_Strict):
+    description: str = ""
+    model: str = DEFAULT_MODEL
+    seed: int = 0
+    calibration: Calibration = Calibration()
+    passes: list = Field(min_length=1)
+    export: Export = Export()
+    evaluation: Evaluation = Evaluation()
+
+
+class Recipe:
+    def __init__(self, fields: _RecipeFields, passes: list[LayerPass], text: str, name: str):
+        self.fields = fields
+        self.passes = passes
+        self.text = text  # the YAML as written, copied into the export
+        self.name = name
+
+    def __getattr__(self, key):
+        return getattr(self.fields, key)
+
+    @property
+    def needs_data(self) -> bool:
+        return any(p.needs_data for p in self.passes)
+
+
+def _format(err: ValidationError, prefix: str = "") -> str:
+    first = err.errors()[0]
+    path = prefix
+    for part in first["loc"]:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown key"
+    elif "input" in first and not isinstance(first["input"], (dict, list)):
+        msg += f" (got {first['input']!r})"
+    return f"{path or 'recipe'}: {msg}"
+
+
+def _parse_pass(i: int, entry) -> LayerPass:
+    where = f"passes[{i}]"
+    if not isinstance(entry, dict) or len(entry) != 1:
+        raise RecipeError(f"{where}: each pass is a mapping with one key, the pass name, e.g. '- rtn: {{bits: 4}}'")
+    (name, options), = entry.items()
+    if name not in REGISTRY:
+        raise RecipeError(f"{where}: unknown pass {name!r}; known passes: {', '.join(sorted(REGISTRY))}")
+    cls = REGISTRY[name]
+    try:
+        opts = cls.Options.model_validate(options or {})
+    except ValidationError as e:
+        raise RecipeError(_format(e, f"{where}.{name}")) from None
+    return cls(opts, f"{where}.{name}")
+
+
+def parse(text: str, name: str = "recipe") -> Recipe:
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{name}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"{name}: a recipe is a YAML mapping with at least a 'passes' list")
+    try:
+        fields = _RecipeFields.model_validate(data)
+    except ValidationError as e:
+        raise RecipeError(_format(e)) from None
+    passes = [_parse_pass(i, entry) for i, entry in enumerate(fields.passes)]
+    return Recipe(fields, passes, text, name)
+
+
+def load(path: str | Path) -> Recipe:
+    path = Path(path)
+    if not path.exists():
+        shipped = RECIPES_DIR / path
+        if path.suffix != ".yaml":
+            shipped = RECIPES_DIR / f"{path}.yaml"
+        if not shipped.exists():
+            raise RecipeError(f"no recipe file {path}; `compress recipes` lists the shipped ones")
+        path = shipped
+    return parse(path.read_text(encoding="utf-8"), path.stem)
+
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def shipped() -> list[tuple[str, str]]:
+    """(name, one-line description) of every recipe in recipes/."""
+    out = []
+    for path in sorted(RECIPES_DIR.glob("*.yaml")):
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        out.append((path.stem, str(data.get("description", "")).strip()))
+    return out
