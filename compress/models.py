@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import socket
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,21 +98,34 @@ def resolve(source: str) -> Path | str:
     return source
 
 
+def _hub_reachable(host: str = "huggingface.co") -> bool:
+    """A quick look-up, so that an offline machine fails at once instead of after minutes of retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
+        return False
+    try:
+        socket.getaddrinfo(host, 443)
+        return True
+    except OSError:
+        return False
+
+
 def load(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False) -> Loaded:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = resolve(source)
+    local_only = isinstance(where, Path) or not _hub_reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
+                                                  local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code
+            where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, local_files_only=local_only
         )
     except OSError as e:
         if isinstance(where, Path):
             raise ModelLoadError(f"could not load {where}: {str(e).splitlines()[0]}") from None
         raise ModelLoadError(
-            f"could not load {source!r}: it is not a local folder and the hub is not reachable "
-            f"(offline?). Pass a local Hugging Face folder or an alias ({', '.join(ALIASES)}) with --model"
+            f"could not load {source!r}: it is not a local folder, and the hub is unreachable (offline?) "
+            f"or has no such model; pass a local Hugging Face folder or an alias ({', '.join(ALIASES)}) with --model"
         ) from None
     model.eval()
     return Loaded(model, tokenizer, source, Path(where) if isinstance(where, Path) else Path(source))

@@ -97,6 +97,7 @@ class WeightQuantPass(LayerPass):
             bad = sorted({(re.sub(r"\.\d+\.", ".*.", n), w) for n, w in targeted.items() if w % g})
             if bad:
                 listed = ", ".join(f"{n} (in_features {w})" for n, w in bad[:4])
+                listed += f" and {len(bad) - 4} more" if len(bad) > 4 else ""
                 raise RecipeError(
                     f"{self.where}.group_size: {g} does not divide the input width of {listed}; "
                     "use group_size: auto, -1, or a divisor of every width"

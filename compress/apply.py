@@ -1,0 +1,111 @@
+"""``compress apply``: recipe -> compressed, exported, evaluated checkpoint.
+
+Order matters for the user's time: everything that can fail cheaply (recipe,
+output folder, model shapes) fails before calibration or compression starts.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import data, export, models
+from .evaluate import evaluate
+from .pipeline import run_sequential
+from .quant import quantized_of
+from .recipe import Recipe
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2  # Linux reports KiB
+
+
+@dataclass
+class Report:
+    recipe: str
+    model: str
+    method: str
+    output: str
+    calibration: str
+    bits_per_weight: float | None  # quantized linears, scales and zero-points included
+    size_mb: float
+    compress_s: float
+    peak_rss_gb: float  # up to the end of compression (evaluation loads a second model)
+    eval: dict = field(default_factory=dict)
+
+    def as_dict(self):
+        return asdict(self)
+
+
+def bits_per_weight(model) -> float | None:
+    total, bits = 0, 0.0
+    for m in model.modules():
+        qw = quantized_of(m)
+        if qw is not None:
+            n = qw.q.numel()
+            bits += qw.scheme.bits_per_weight(qw.q.shape[1], 8 * qw.scale.element_size()) * n
+            total += n
+    return bits / total if total else None
+
+
+def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | None = None,
+          device: str | None = None, dtype: str = "bfloat16", seed: int | None = None, overwrite: bool = False,
+          evaluate_after: bool = True, eval_windows: int | None = None, eval_seqlen: int | None = None,
+          samples: int | None = None) -> Report:
+    source = model_source or recipe.model
+    seed = recipe.seed if seed is None else seed
+    out = Path(output or Path("out") / f"{recipe.name}-{Path(source).name}")
+    export.check_output(out, overwrite)
+    dev, torch_dtype = models.pick_device(device), models.parse_dtype(dtype)
+    torch.manual_seed(seed)
+
+    loaded = models.load(source, torch_dtype)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    for p in recipe.passes:
+        p.check(model)  # shapes, group sizes, patterns: before any compute
+
+    start = time.perf_counter()
+    ids, calib_what = None, "none (no pass needs data)"
+    if recipe.needs_data:
+        cal = recipe.calibration
+        ids, calib_what = data.calibration_batches(model, tokenizer, cal.source, samples or cal.samples,
+                                                   cal.seqlen, seed)
+    run_sequential(model, ids, recipe.passes, dev)
+    compress_s = time.perf_counter() - start
+    rss = peak_rss_gb()
+
+    method = " + ".join(p.summary() for p in recipe.passes)
+    bpw = bits_per_weight(model)
+    manifest = {"recipe": recipe.name, "base_model": source, "method": method, "seed": seed,
+                "calibration": calib_what, "bits_per_weight": bpw, "dtype": dtype}
+    export.export(model, tokenizer, out, recipe.text, manifest, overwrite=overwrite)
+    report = Report(recipe.name, source, method, str(out), calib_what, bpw,
+                    export.size_on_disk(out) / 1e6, compress_s, rss)
+
+    ev = recipe.evaluation
+    if evaluate_after and ev.ppl:
+        reference = models.load(source, torch_dtype).model.to(dev) if ev.kl else None
+        result = evaluate(model.to(dev), tokenizer, ev.ppl, eval_seqlen or ev.seqlen, eval_windows or ev.windows,
+                          reference=reference)
+        report.eval = result.as_dict()
+    (out / "report.json").write_text(json.dumps(report.as_dict(), indent=2))
+    return report
+
+
+def format_table(reports: list[Report]) -> str:
+    head = ["method", "bits/w", "size MB", "ppl before", "ppl after", "KL", "top-1", "time s", "peak RSS GB"]
+    rows = []
+    for r in reports:
+        e = r.eval or {}
+        fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
+        rows.append([r.method, fmt(r.bits_per_weight, ".2f"), f"{r.size_mb:.1f}", fmt(e.get("ref_ppl"), ".3f"),
+                     fmt(e.get("ppl"), ".3f"), fmt(e.get("kl"), ".4f"), fmt(e.get("top1"), ".3f"),
+                     f"{r.compress_s:.1f}", f"{r.peak_rss_gb:.2f}"])
+    widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])

@@ -1,0 +1,37 @@
+"""Shared fixtures: a tiny random model of each supported shape, and the real SmolLM2."""
+
+import copy
+
+import pytest
+import torch
+
+
+def tiny(model_type: str = "llama", hidden: int = 64, layers: int = 2):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    kw = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=hidden // 4, vocab_size=128, max_position_embeddings=256)
+    if model_type == "gemma3_text":
+        kw.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1))
+    config = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    if model_type == "gemma3_text":  # zero-initialised norms would hide (1 + w) mistakes
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.data.normal_(0, 0.3)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M (bf16) and its tokenizer, loaded once; tests deep-copy the model."""
+    from compress import models
+
+    loaded = models.load("smollm2-135m")
+    return loaded
+
+
+@pytest.fixture
+def smollm2_copy(smollm2):
+    return copy.deepcopy(smollm2.model)

@@ -1,0 +1,50 @@
+"""`compress` on the command line: a real run on SmolLM2, and bad input that must write nothing."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def run(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "compress.cli", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_apply_exports_and_reports(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("description: test\npasses:\n  - rtn: {bits: 8, group_size: -1}\n"
+                      "evaluation: {ppl: wikitext2, seqlen: 256, windows: 2}\n")
+    out = tmp_path / "out"
+    result = run("apply", str(recipe), "--output", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "rtn W8 channel sym" in result.stdout and "ppl after" in result.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["eval"]["kl"] >= 0 and 0.9 < report["eval"]["top1"] <= 1
+    assert abs(report["bits_per_weight"] - 8) < 0.1  # per-channel: scales are ~0.03 bit
+    # the output exists now: a second run without --overwrite refuses before loading anything
+    again = run("apply", str(recipe), "--output", str(out))
+    assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
+
+
+@pytest.mark.parametrize("body,message", [
+    ("passes:\n  - sparsify: {}\n", "unknown pass 'sparsify'"),
+    ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits"),
+    ("model: /nonexistent/model\npasses:\n  - rtn: {}\n", "could not load"),
+    ("model: someone/not-a-local-model\npasses:\n  - rtn: {}\n", "pass a local Hugging Face folder"),
+])
+def test_bad_recipe_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, body, message):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(body)
+    out = tmp_path / "out"
+    result = run("apply", str(recipe), "--output", str(out))
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.startswith("compress: error:")]
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == [recipe]
+
+
+def test_recipes_lists_shipped():
+    result = run("recipes")
+    assert result.returncode == 0 and "rtn-w4" in result.stdout
