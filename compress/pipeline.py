@@ -107,30 +107,50 @@ class BlockData:
         self.args, self.kwargs = call
 
     @torch.no_grad()
-    def forward(self, hooks: dict[str, Callable] | None = None) -> list[torch.Tensor]:
-        """Run the block on every sample; ``hooks[name](x)`` sees each named module's input."""
-        handles = [
-            self.block.get_submodule(name).register_forward_pre_hook(lambda m, a, fn=fn: fn(a[0]))
-            for name, fn in (hooks or {}).items()
-        ]
+    def forward(self, hooks: dict[str, Callable] | None = None, stop_at: str | None = None) -> list[torch.Tensor]:
+        """Run the block on every sample; ``hooks[name](x)`` sees each named module's input.
+
+        With ``stop_at``, each sample's forward ends once that module's input has
+        been seen (observing q/k/v needs only the input norm, not the whole block).
+        """
+        hooks = dict(hooks or {})
+
+        def pre_hook(name):
+            def fn(module, args):
+                if name in hooks:
+                    hooks[name](args[0])
+                if name == stop_at:
+                    raise _Stop
+
+            return fn
+
+        names = set(hooks) | ({stop_at} if stop_at else set())
+        handles = [self.block.get_submodule(n).register_forward_pre_hook(pre_hook(n)) for n in names]
+        outputs = []
         try:
-            return [self.block(x, *self.args, **self.kwargs) for x in self.inputs]
+            for x in self.inputs:
+                try:
+                    outputs.append(self.block(x, *self.args, **self.kwargs))
+                except _Stop:
+                    pass
         finally:
             for h in handles:
                 h.remove()
+        return outputs
 
     def observe(self, groups, make_stat: Callable[[torch.nn.Module], object]) -> dict[str, object]:
         """One forward over the data, feeding each group's input to one statistic.
 
-        ``groups`` are tuples of linears that read the same input (q/k/v): they
-        share one statistic, built by ``make_stat(first_linear)`` and fed via ``.add(x)``.
+        ``groups`` are tuples of linears that read the same input (q/k/v), given in
+        forward order: they share one statistic, built by ``make_stat(first_linear)``
+        and fed via ``.add(x)``. The forward stops at the last group.
         """
         stats, hooks = {}, {}
         for group in groups:
             stat = make_stat(self.block.get_submodule(group[0]))
             hooks[group[0]] = stat.add
             stats.update({name: stat for name in group})
-        self.forward(hooks)
+        self.forward(hooks, stop_at=groups[-1][0])
         return stats
 
 
