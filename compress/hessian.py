@@ -3,7 +3,8 @@
 ``H = 2/n · Σ x xᵀ`` over every calibration token reaching a linear, and the
 upper Cholesky factor of ``H⁻¹`` that OBS-style updates read. A singular H (dead
 input channels, too little data) is dampened more until the factorisation
-succeeds, with a warning naming the layer: never a crash, never NaN weights.
+succeeds, with a warning naming the layer; if it never does, the diagonal is
+used. Never a crash, never NaN weights.
 """
 
 from __future__ import annotations
@@ -56,5 +57,7 @@ def inverse_cholesky(H: torch.Tensor, percdamp: float, name: str, tries: int = 6
                     warnings.warn(f"{name}: Hessian not positive definite; dampening raised to {damp:g}",
                                   stacklevel=2)
                 return U
-        damp *= 10
-    raise FloatingPointError(f"{name}: Hessian could not be factorised even with dampening {damp / 10:g}")
+        damp = damp * 10 if damp > 0 else 1e-3
+    # Last resort: keep only the diagonal. GPTQ then spreads no error: round-to-nearest for this layer.
+    warnings.warn(f"{name}: Hessian could not be factorised; using its diagonal (no error feedback)", stacklevel=2)
+    return torch.diag(torch.diag(H).clamp(min=1e-8).rsqrt())

@@ -103,6 +103,9 @@ class WeightQuantPass(LayerPass):
                     "use group_size: auto, -1, or a divisor of every width"
                 )
         self.scheme = QuantScheme(self.options.bits, g, self.options.symmetric)
+        if not self.scheme.symmetric:
+            warnings.warn(f"{self.where}.symmetric: false exports zero-points that vLLM reads but transformers "
+                          "5 with compressed-tensors 0.20 cannot reload (see README, Known limits)", stacklevel=2)
 
     def summary(self) -> str:
         return f"{self.name} {self.scheme.describe()}"

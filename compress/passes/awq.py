@@ -1,0 +1,160 @@
+"""AWQ (Lin et al. 2023): protect salient input channels by scaling them up before
+rounding, and fold the inverse scale into the op that produces them.
+
+Per mapping (norm -> q/k/v, v -> o when shapes allow, norm -> gate/up, up -> down):
+``s = mean|x|^α``, α on a grid, chosen to minimise the error of the quantized
+linears' outputs; ``W·diag(s)`` and ``prev / s`` leave the float block unchanged.
+Then a per-group clipping search, then rounding (RTN, or leave it to a following
+``gptq`` pass with ``quantize: false``). All scales are searched on the float
+block, from one observation of its inputs, as in the reference implementation.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..arch import Scaling, decoder_layers
+from ..quant import QuantScheme, attach, compute_qparams, dequantize, quantize, quantize_weight
+from .base import RecipeError, WeightQuantOptions, WeightQuantPass
+
+
+class AWQOptions(WeightQuantOptions):
+    grid: int = 20  # α values tried in [0, 1)
+    clip: bool = True  # search a per-group clipping range after scaling
+    clip_grid: int = 20
+    max_shrink: float = 0.5  # clipping tries ranges down to (1 - max_shrink) of the max
+    search_tokens: int = 4096  # calibration tokens used by the searches (statistics use all)
+    quantize: bool = True  # false: only scale and clip; a later pass (gptq) rounds
+
+
+class _Inputs:
+    """Mean |x| per channel over all tokens, and the first ``limit`` tokens for searches."""
+
+    def __init__(self, limit: int):
+        self.limit, self.abs_sum, self.n, self.rows = limit, None, 0, []
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).float()
+        s = x.abs().sum(0)
+        self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
+        self.n += x.shape[0]
+        have = sum(r.shape[0] for r in self.rows)
+        if have < self.limit:
+            self.rows.append(x[: self.limit - have])
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return self.abs_sum / self.n
+
+    @property
+    def x(self) -> torch.Tensor:
+        return torch.cat(self.rows)
+
+
+def fake_quant(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    qw = quantize_weight(w, scheme, torch.float32)
+    return dequantize(qw.q, qw.scale, qw.zero_point, torch.float32)
+
+
+@torch.no_grad()
+def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Tensor], scheme: QuantScheme,
+                 grid: int) -> torch.Tensor:
+    """The α-grid search: the scale whose quantized outputs are closest to the float ones."""
+    W = torch.cat([w.float() for w in weights])
+    reference = x @ W.T
+    best, best_err = torch.ones_like(mean_abs), float("inf")
+    for i in range(grid):
+        s = mean_abs.pow(i / grid).clamp(min=1e-4)
+        s = s / (s.max() * s.min()).sqrt()
+        err = (x @ (fake_quant(W * s, scheme) / s).T - reference).pow(2).mean().item()
+        if err < best_err:
+            best, best_err = s, err
+    return best
+
+
+@torch.no_grad()
+def fold(block: torch.nn.Module, mapping: Scaling, s: torch.Tensor, norm_plus_one: bool) -> None:
+    """``prev`` output / s, following linears' input columns × s: the float function is unchanged."""
+    prev = block.get_submodule(mapping.prev)
+    if isinstance(prev, torch.nn.Linear):
+        prev.weight.data = (prev.weight.float() / s.unsqueeze(1)).to(prev.weight.dtype)
+        if prev.bias is not None:
+            prev.bias.data = (prev.bias.float() / s).to(prev.bias.dtype)
+    elif norm_plus_one:  # Gemma: y = x̂ · (1 + w)  ->  1 + w' = (1 + w) / s
+        prev.weight.data = ((1 + prev.weight.float()) / s - 1).to(prev.weight.dtype)
+    else:
+        prev.weight.data = (prev.weight.float() / s).to(prev.weight.dtype)
+        if getattr(prev, "bias", None) is not None:
+            prev.bias.data = (prev.bias.float() / s).to(prev.bias.dtype)
+    for name in mapping.linears:
+        lin = block.get_submodule(name)
+        lin.weight.data = (lin.weight.float() * s).to(lin.weight.dtype)
+
+
+@torch.no_grad()
+def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float,
+                tokens: int = 512) -> torch.Tensor:
+    """Per (row, group) clipping of the weight range that minimises that group's output error."""
+    rows, cols = w.shape
+    gs = cols if scheme.group_size == -1 else scheme.group_size
+    W = w.float().reshape(rows, cols // gs, gs)
+    xs = x[torch.linspace(0, x.shape[0] - 1, min(tokens, x.shape[0])).long()].reshape(-1, cols // gs, gs)
+    reference = torch.einsum("ngk,rgk->nrg", xs, W)
+    wmax, wmin = W.amax(-1, keepdim=True), W.amin(-1, keepdim=True)
+    if scheme.symmetric:
+        wmax = torch.maximum(wmax, -wmin)
+        wmin = -wmax
+    group_scheme = QuantScheme(scheme.bits, gs, scheme.symmetric)
+    best_err = torch.full((rows, cols // gs), float("inf"))
+    best_ratio = torch.ones(rows, cols // gs)
+    for i in range(int(max_shrink * grid)):
+        ratio = 1 - i / grid
+        clipped = W.clamp(wmin * ratio, wmax * ratio).reshape(rows, cols)
+        scale, zero = compute_qparams(clipped, group_scheme, torch.float32)
+        deq = dequantize(quantize(clipped, scale, zero, group_scheme), scale, zero, torch.float32)
+        err = (torch.einsum("ngk,rgk->nrg", xs, deq.reshape(rows, cols // gs, gs)) - reference).pow(2).mean(0)
+        better = err < best_err
+        best_err[better], best_ratio[better] = err[better], ratio
+    r = best_ratio.unsqueeze(-1)
+    return W.clamp(wmin * r, wmax * r).reshape(rows, cols)
+
+
+class AWQ(WeightQuantPass):
+    name = "awq"
+    Options = AWQOptions
+
+    def check(self, model) -> None:
+        super().check(model)
+        block = decoder_layers(model)[0]
+        self.mappings = []
+        for m in self.arch.scalings:
+            prev = block.get_submodule(m.prev)
+            width = prev.out_features if isinstance(prev, torch.nn.Linear) else prev.weight.shape[0]
+            if all(block.get_submodule(n).in_features == width for n in m.linears):
+                self.mappings.append(m)  # v -> o is skipped under grouped-query attention
+        if not self.mappings:
+            raise RecipeError(f"{self.where}: no scaling mapping fits {self.arch.name}; AWQ would do nothing")
+
+    def apply(self, block, data, prefix: str) -> None:
+        o = self.options
+        targets = self.targets(block, prefix)
+        groups = [g for g in (tuple(n for n in grp if n in targets) for grp in self.arch.groups) if g]
+        inputs = data.observe(groups, lambda lin: _Inputs(o.search_tokens))
+        for m in self.mappings:
+            names = [n for n in m.linears if n in targets]
+            if not names:
+                continue
+            stat = inputs[names[0]]
+            s = search_scale(stat.x, stat.mean_abs, [targets[n].weight for n in names], self.scheme, o.grid)
+            fold(block, m, s, self.arch.norm_plus_one)
+            stat.rows = [r / s for r in stat.rows]  # the clip search sees the scaled block's inputs
+            stat.abs_sum = stat.abs_sum / s
+        for name, lin in targets.items():
+            if o.clip and not name.endswith(("q_proj", "k_proj")):  # q/k errors are amplified by softmax
+                lin.weight.data = search_clip(lin.weight.data, inputs[name].x, self.scheme, o.clip_grid,
+                                              o.max_shrink).to(lin.weight.dtype)
+            if o.quantize:
+                attach(lin, quantize_weight(lin.weight.data, self.scheme, lin.weight.dtype))
+
+    def summary(self) -> str:
+        return f"awq {self.scheme.describe()}" if self.options.quantize else "awq scales"

@@ -1,0 +1,114 @@
+import pytest
+import torch
+
+from compress.arch import arch_of, decoder_layers
+from compress.hessian import Hessian
+from compress.passes.awq import fold, search_scale
+from compress.passes.gptq import gptq_quantize
+from compress.pipeline import run_sequential
+from compress.quant import QuantScheme, dequantize, quantize_weight, quantized_of
+from compress.recipe import parse
+from tests.conftest import tiny
+
+
+def _layer_and_inputs(outliers: bool = False):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(256, 64, bias=False)
+    X = torch.randn(4096, 256) @ torch.randn(256, 256) * 0.3  # correlated inputs, as in real layers
+    if outliers:
+        X[:, :4] *= 30  # a few salient channels, the case AWQ is built for
+    h = Hessian(lin)
+    h.add(X)
+    return lin, X, h
+
+
+def _out_err(X, W, qw):
+    return (X @ dequantize(qw.q, qw.scale, qw.zero_point, torch.float32).T - X @ W.T).pow(2).mean().item()
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(4, 64, True), QuantScheme(3, -1, False), QuantScheme(2, 32, False)])
+@pytest.mark.parametrize("actorder", [False, True])
+def test_gptq_beats_rtn_on_layer_output(scheme, actorder):
+    lin, X, h = _layer_and_inputs()
+    W = lin.weight.data
+    gptq = gptq_quantize(W, h.H, scheme, torch.float32, actorder=actorder)
+    rtn = quantize_weight(W, scheme, torch.float32)
+    assert _out_err(X, W, gptq) < 0.8 * _out_err(X, W, rtn)
+
+
+def test_singular_hessian_does_not_crash():
+    lin, X, _ = _layer_and_inputs()
+    X[:, 5] = 0  # a dead input channel
+    X[:, 7] = X[:, 8]  # and two identical ones: H is singular
+    h = Hessian(lin)
+    h.add(X[:16])  # fewer tokens than channels: rank-deficient too
+    qw = gptq_quantize(lin.weight.data, h.H, QuantScheme(4, 64, True), torch.float32, percdamp=0.0)
+    assert torch.isfinite(qw.scale).all()
+    assert (qw.q[:, 5] == 0).all()  # a dead column's weight is zeroed, as in the reference
+
+
+def test_actorder_export_reloads_to_the_same_weights(tmp_path):
+    """Act-order keeps static groups: the plain pack-quantized layout (no g_idx) reproduces the weights."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.export import export
+
+    model = tiny("llama")
+    recipe = parse("passes:\n  - gptq: {bits: 4, group_size: 32, actorder: true}\n")
+    recipe.passes[0].check(model)
+    run_sequential(model, torch.randint(0, 128, (4, 32)), recipe.passes, torch.device("cpu"))
+
+    class Tok:
+        def save_pretrained(self, path):
+            pass
+
+    reloaded = AutoModelForCausalLM.from_pretrained(export(model, Tok(), tmp_path / "x", recipe.text, {}))
+    with torch.no_grad():
+        reloaded(torch.zeros(1, 1, dtype=torch.long))  # compressed-tensors decompresses on the first forward
+    for (name, ours), (_, theirs) in zip(model.named_modules(), reloaded.named_modules()):
+        if quantized_of(ours) is not None:
+            assert torch.equal(ours.weight, theirs.weight), name
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_awq_folding_keeps_the_float_block_unchanged(model_type):
+    model = tiny(model_type, layers=2).float()
+    arch = arch_of(model)
+    block = decoder_layers(model)[0]
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():
+        before = model(ids).logits
+    torch.manual_seed(1)
+    for mapping in arch.scalings:
+        prev = block.get_submodule(mapping.prev)
+        width = prev.out_features if isinstance(prev, torch.nn.Linear) else prev.weight.shape[0]
+        if all(block.get_submodule(n).in_features == width for n in mapping.linears):
+            fold(block, mapping, torch.rand(width) * 4 + 0.25, arch.norm_plus_one)
+    with torch.no_grad():
+        after = model(ids).logits
+    torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
+
+
+def test_awq_scale_search_beats_rtn_with_salient_channels():
+    lin, X, _ = _layer_and_inputs(outliers=True)
+    W = lin.weight.data
+    scheme = QuantScheme(3, 64, True)
+    s = search_scale(X[:2048], X.abs().mean(0), [W], scheme, grid=20)
+    scaled = quantize_weight(W * s, scheme, torch.float32)
+    awq_err = ((X / s) @ dequantize(scaled.q, scaled.scale, scaled.zero_point, torch.float32).T
+               - X @ W.T).pow(2).mean().item()
+    assert awq_err < 0.95 * _out_err(X, W, quantize_weight(W, scheme, torch.float32))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_awq_then_gptq_recipe_runs(model_type):
+    model = tiny(model_type, layers=2)
+    recipe = parse("passes:\n  - awq: {bits: 4, group_size: 32, quantize: false}\n"
+                   "  - gptq: {bits: 4, group_size: 32}\n")
+    for p in recipe.passes:
+        p.check(model)
+    run_sequential(model, torch.randint(0, 128, (4, 32)), recipe.passes, torch.device("cpu"))
+    quantized = [m for m in model.modules() if quantized_of(m) is not None]
+    assert len(quantized) == 7 * 2
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(0, 128, (1, 8))).logits).all()
