@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from . import data, export, models
-from .evaluate import evaluate
+from .evaluate import evaluate, windows_of
 from .pipeline import run_sequential
 from .quant import quantized_of
 from .recipe import Recipe
@@ -68,6 +68,9 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     model, tokenizer = loaded.model, loaded.tokenizer
     for p in recipe.passes:
         p.check(model)  # shapes, group sizes, patterns: before any compute
+    ev = recipe.evaluation
+    seqlen, windows = eval_seqlen or ev.seqlen, eval_windows or ev.windows
+    eval_data = windows_of(tokenizer, ev.ppl, seqlen, windows) if evaluate_after and ev.ppl else None
 
     start = time.perf_counter()
     ids, calib_what = None, "none (no pass needs data)"
@@ -87,11 +90,9 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     report = Report(recipe.name, source, method, str(out), calib_what, bpw,
                     export.size_on_disk(out) / 1e6, compress_s, rss)
 
-    ev = recipe.evaluation
-    if evaluate_after and ev.ppl:
+    if eval_data is not None:
         reference = models.load(source, torch_dtype).model.to(dev) if ev.kl else None
-        result = evaluate(model.to(dev), tokenizer, ev.ppl, eval_seqlen or ev.seqlen, eval_windows or ev.windows,
-                          reference=reference)
+        result = evaluate(model.to(dev), tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data)
         report.eval = result.as_dict()
     (out / "report.json").write_text(json.dumps(report.as_dict(), indent=2))
     return report

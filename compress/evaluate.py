@@ -55,8 +55,9 @@ def _log_probs(model, ids: torch.Tensor):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, source: str = "wikitext2", seqlen: int = 2048, windows: int = 40,
-             reference=None, progress: bool = True) -> EvalResult:
-    data = windows_of(tokenizer, source, seqlen, windows)
+             reference=None, progress: bool = True, data: torch.Tensor | None = None) -> EvalResult:
+    """``data`` (windows × seqlen ids from ``windows_of``) may be prepared early to fail before compute."""
+    data = windows_of(tokenizer, source, seqlen, windows) if data is None else data
     device = next(model.parameters()).device
     nll, ref_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
     for window in tqdm(data, desc="evaluating", unit="window", disable=not progress):

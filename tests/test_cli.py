@@ -32,6 +32,7 @@ def test_apply_exports_and_reports(tmp_path):
     ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits"),
     ("model: /nonexistent/model\npasses:\n  - rtn: {}\n", "could not load"),
     ("model: someone/not-a-local-model\npasses:\n  - rtn: {}\n", "pass a local Hugging Face folder"),
+    ("passes:\n  - rtn: {}\nevaluation: {ppl: /nonexistent/text.txt}\n", "unknown text source"),
 ])
 def test_bad_recipe_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, body, message):
     recipe = tmp_path / "bad.yaml"
