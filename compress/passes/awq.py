@@ -138,7 +138,7 @@ class AWQ(WeightQuantPass):
     def apply(self, block, data, prefix: str) -> None:
         o = self.options
         targets = self.targets(block, prefix)
-        groups = [g for g in (tuple(n for n in grp if n in targets) for grp in self.arch.groups) if g]
+        groups = self.target_groups(targets)
         inputs = data.observe(groups, lambda lin: _Inputs(o.search_tokens))
         for m in self.mappings:
             names = [n for n in m.linears if n in targets]

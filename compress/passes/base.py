@@ -79,6 +79,10 @@ class WeightQuantPass(LayerPass):
         return {name: lin for name, lin in block_linears(block, self.arch).items()
                 if not any(matches(prefix + name, p) for p in self.options.ignore)}
 
+    def target_groups(self, targets: dict) -> list[tuple[str, ...]]:
+        """The architecture's input-sharing groups restricted to ``targets``, in forward order."""
+        return [g for g in (tuple(n for n in grp if n in targets) for grp in self.arch.groups) if g]
+
     def check(self, model: torch.nn.Module) -> None:
         self.arch = arch_of(model)
         prefix = self.arch.layers + "."

@@ -82,7 +82,7 @@ class GPTQ(WeightQuantPass):
     def apply(self, block, data, prefix: str) -> None:
         o = self.options
         targets = self.targets(block, prefix)
-        groups = [g for g in (tuple(n for n in grp if n in targets) for grp in self.arch.groups) if g]
+        groups = self.target_groups(targets)
         # true_sequential: each group sees the inputs produced by the already-quantized groups before it
         stages = [[g] for g in groups] if o.true_sequential else [groups]
         for stage in stages:
