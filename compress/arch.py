@@ -17,6 +17,8 @@ import torch
 class Scaling:
     prev: str  # module whose output feeds `linears` (a norm or a linear)
     linears: tuple[str, ...]
+    inspect: str  # module whose output measures the damage (attention, MLP, or the linear itself)
+    attention: bool = False  # `inspect` is the attention: call it with the block's arguments
 
 
 @dataclass(frozen=True)
@@ -38,10 +40,10 @@ def _llama_like(name: str, mlp_norm: str = "post_attention_layernorm", plus_one:
         name=name,
         groups=_GROUPS,
         scalings=(
-            Scaling("input_layernorm", _ATTN),
-            Scaling("self_attn.v_proj", ("self_attn.o_proj",)),
-            Scaling(mlp_norm, _MLP_IN),
-            Scaling("mlp.up_proj", ("mlp.down_proj",)),
+            Scaling("input_layernorm", _ATTN, "self_attn", attention=True),
+            Scaling("self_attn.v_proj", ("self_attn.o_proj",), "self_attn.o_proj"),
+            Scaling(mlp_norm, _MLP_IN, "mlp"),
+            Scaling("mlp.up_proj", ("mlp.down_proj",), "mlp.down_proj"),
         ),
         norm_plus_one=plus_one,
     )

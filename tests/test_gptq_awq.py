@@ -90,10 +90,16 @@ def test_awq_folding_keeps_the_float_block_unchanged(model_type):
 
 
 def test_awq_scale_search_beats_rtn_with_salient_channels():
+    from compress.passes.awq import _Inputs
+
     lin, X, _ = _layer_and_inputs(outliers=True)
-    W = lin.weight.data
+    W = lin.weight.data.clone()
     scheme = QuantScheme(3, 64, True)
-    s = search_scale(X[:2048], X.abs().mean(0), [W], scheme, grid=20)
+    inputs = _Inputs(limit=2048)
+    for chunk in X.split(512):
+        inputs.add(chunk.unsqueeze(0))
+    s = search_scale(inputs, [lin], lin, scheme, grid=20)
+    assert torch.equal(lin.weight.data, W)  # the search leaves the layer as it found it
     scaled = quantize_weight(W * s, scheme, torch.float32)
     awq_err = ((X / s) @ dequantize(scaled.q, scaled.scale, scaled.zero_point, torch.float32).T
                - X @ W.T).pow(2).mean().item()

@@ -2,8 +2,7 @@
 rounding, and fold the inverse scale into the op that produces them.
 
 Per mapping (norm -> q/k/v, v -> o when shapes allow, norm -> gate/up, up -> down):
-``s = mean|x|^α``, α on a grid, chosen to minimise the error of the quantized
-linears' outputs; ``W·diag(s)`` and ``prev / s`` leave the float block unchanged.
+``s = mean|x|^α``, α on a grid, chosen to minimise the error of the inspected module's output (attention, MLP, or the linear); ``W·diag(s)`` and ``prev / s`` leave the float block unchanged.
 Then a per-group clipping search, then rounding (RTN, or leave it to a following
 ``gptq`` pass with ``quantize: false``). All scales are searched on the float
 block, from one observation of its inputs, as in the reference implementation.
@@ -28,19 +27,17 @@ class AWQOptions(WeightQuantOptions):
 
 
 class _Inputs:
-    """Mean |x| per channel over all tokens, and the first ``limit`` tokens for searches."""
+    """Mean |x| per channel over all tokens, and whole samples up to ``limit`` tokens for searches."""
 
     def __init__(self, limit: int):
-        self.limit, self.abs_sum, self.n, self.rows = limit, None, 0, []
+        self.limit, self.abs_sum, self.n, self.samples = limit, None, 0, []
 
     def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
-        s = x.abs().sum(0)
+        s = x.reshape(-1, x.shape[-1]).float().abs().sum(0)
         self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
-        self.n += x.shape[0]
-        have = sum(r.shape[0] for r in self.rows)
-        if have < self.limit:
-            self.rows.append(x[: self.limit - have])
+        if sum(t[0].numel() for t in self.samples) // x.shape[-1] < self.limit:
+            self.samples.append(x)
+        self.n += x.numel() // x.shape[-1]
 
     @property
     def mean_abs(self) -> torch.Tensor:
@@ -48,7 +45,13 @@ class _Inputs:
 
     @property
     def x(self) -> torch.Tensor:
-        return torch.cat(self.rows)
+        """The search tokens as one (tokens, channels) float32 matrix."""
+        return torch.cat([t.reshape(-1, t.shape[-1]) for t in self.samples]).float()
+
+    def rescale(self, s: torch.Tensor) -> None:
+        """After folding, the linears see x / s."""
+        self.samples = [(t.float() / s).to(t.dtype) for t in self.samples]
+        self.abs_sum = self.abs_sum / s
 
 
 def fake_quant(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -57,18 +60,28 @@ def fake_quant(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 @torch.no_grad()
-def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weights: list[torch.Tensor], scheme: QuantScheme,
+def search_scale(inputs: _Inputs, linears: list[torch.nn.Linear], forward, scheme: QuantScheme,
                  grid: int) -> torch.Tensor:
-    """The α-grid search: the scale whose quantized outputs are closest to the float ones."""
-    W = torch.cat([w.float() for w in weights])
-    reference = x @ W.T
-    best, best_err = torch.ones_like(mean_abs), float("inf")
-    for i in range(grid):
-        s = mean_abs.pow(i / grid).clamp(min=1e-4)
-        s = s / (s.max() * s.min()).sqrt()
-        err = (x @ (fake_quant(W * s, scheme) / s).T - reference).pow(2).mean().item()
-        if err < best_err:
-            best, best_err = s, err
+    """The α-grid search: the scale whose quantized ``forward`` outputs are closest to the float ones.
+
+    ``forward(x)`` runs the inspected module (attention, MLP or the linear) on one sample.
+    """
+    originals = [lin.weight.data.clone() for lin in linears]
+    reference = [forward(x) for x in inputs.samples]
+    x_mean = inputs.mean_abs
+    best, best_err = torch.ones_like(x_mean), float("inf")
+    try:
+        for i in range(grid):
+            s = x_mean.pow(i / grid).clamp(min=1e-4)  # α = 0 is plain rounding: never worse than RTN here
+            s = s / (s.max() * s.min()).sqrt()
+            for lin, w in zip(linears, originals):
+                lin.weight.data = (fake_quant(w.float() * s, scheme) / s).to(w.dtype)
+            err = sum((forward(x).float() - r.float()).pow(2).mean().item() for x, r in zip(inputs.samples, reference))
+            if err < best_err:
+                best, best_err = s, err
+    finally:
+        for lin, w in zip(linears, originals):
+            lin.weight.data = w
     return best
 
 
@@ -138,17 +151,23 @@ class AWQ(WeightQuantPass):
     def apply(self, block, data, prefix: str) -> None:
         o = self.options
         targets = self.targets(block, prefix)
-        groups = self.target_groups(targets)
-        inputs = data.observe(groups, lambda lin: _Inputs(o.search_tokens))
+        if not targets:
+            return
+        inputs = data.observe(self.target_groups(targets), lambda lin: _Inputs(o.search_tokens))
         for m in self.mappings:
             names = [n for n in m.linears if n in targets]
             if not names:
                 continue
+            module = block.get_submodule(m.inspect)
+
+            def forward(x, module=module, attention=m.attention):
+                out = module(x, **data.kwargs) if attention else module(x)
+                return out[0] if isinstance(out, tuple) else out
+
             stat = inputs[names[0]]
-            s = search_scale(stat.x, stat.mean_abs, [targets[n].weight for n in names], self.scheme, o.grid)
+            s = search_scale(stat, [targets[n] for n in names], forward, self.scheme, o.grid)
             fold(block, m, s, self.arch.norm_plus_one)
-            stat.rows = [r / s for r in stat.rows]  # the clip search sees the scaled block's inputs
-            stat.abs_sum = stat.abs_sum / s
+            stat.rescale(s)  # the clip search sees the scaled block's inputs
         for name, lin in targets.items():
             if o.clip and not name.endswith(("q_proj", "k_proj")):  # q/k errors are amplified by softmax
                 lin.weight.data = search_clip(lin.weight.data, inputs[name].x, self.scheme, o.clip_grid,

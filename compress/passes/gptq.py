@@ -82,6 +82,8 @@ class GPTQ(WeightQuantPass):
     def apply(self, block, data, prefix: str) -> None:
         o = self.options
         targets = self.targets(block, prefix)
+        if not targets:
+            return
         groups = self.target_groups(targets)
         # true_sequential: each group sees the inputs produced by the already-quantized groups before it
         stages = [[g] for g in groups] if o.true_sequential else [groups]
