@@ -35,3 +35,15 @@ def smollm2():
 @pytest.fixture
 def smollm2_copy(smollm2):
     return copy.deepcopy(smollm2.model)
+
+
+def compress_with(model, passes_yaml: str, ids=None):
+    """Parse a `passes:` list, check it against the model and run the block sweep in place."""
+    from compress.pipeline import run_sequential
+    from compress.recipe import parse
+
+    recipe = parse("passes:\n" + passes_yaml)
+    for p in recipe.passes:
+        p.check(model)
+    run_sequential(model, ids, recipe.passes, torch.device("cpu"))
+    return recipe

@@ -5,10 +5,8 @@ from compress.arch import arch_of, decoder_layers
 from compress.hessian import Hessian
 from compress.passes.awq import fold, search_scale
 from compress.passes.gptq import gptq_quantize
-from compress.pipeline import run_sequential
 from compress.quant import QuantScheme, dequantize, quantize_weight, quantized_of
-from compress.recipe import parse
-from tests.conftest import tiny
+from tests.conftest import compress_with, tiny
 
 
 def _layer_and_inputs(outliers: bool = False):
@@ -54,9 +52,7 @@ def test_actorder_export_reloads_to_the_same_weights(tmp_path):
     from compress.export import export
 
     model = tiny("llama")
-    recipe = parse("passes:\n  - gptq: {bits: 4, group_size: 32, actorder: true}\n")
-    recipe.passes[0].check(model)
-    run_sequential(model, torch.randint(0, 128, (4, 32)), recipe.passes, torch.device("cpu"))
+    recipe = compress_with(model, "  - gptq: {bits: 4, group_size: 32, actorder: true}\n", torch.randint(0, 128, (4, 32)))
 
     class Tok:
         def save_pretrained(self, path):
@@ -109,11 +105,8 @@ def test_awq_scale_search_beats_rtn_with_salient_channels():
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_awq_then_gptq_recipe_runs(model_type):
     model = tiny(model_type, layers=2)
-    recipe = parse("passes:\n  - awq: {bits: 4, group_size: 32, quantize: false}\n"
-                   "  - gptq: {bits: 4, group_size: 32}\n")
-    for p in recipe.passes:
-        p.check(model)
-    run_sequential(model, torch.randint(0, 128, (4, 32)), recipe.passes, torch.device("cpu"))
+    compress_with(model, "  - awq: {bits: 4, group_size: 32, quantize: false}\n  - gptq: {bits: 4, group_size: 32}\n",
+                  torch.randint(0, 128, (4, 32)))
     quantized = [m for m in model.modules() if quantized_of(m) is not None]
     assert len(quantized) == 7 * 2
     with torch.no_grad():

@@ -16,7 +16,7 @@ import torch
 
 from compress.data import calibration_batches
 from compress.evaluate import evaluate
-from compress.pipeline import run_sequential
+from tests.conftest import compress_with
 from compress.recipe import parse
 
 # blocks 0-9 only (the rest are ignored) keeps the test to about a minute on two cores
@@ -33,10 +33,7 @@ def w3_ppl(smollm2):
     out = {}
     for name, passes in RECIPES.items():
         model = copy.deepcopy(smollm2.model)
-        recipe = parse("passes:\n" + passes)
-        for p in recipe.passes:
-            p.check(model)
-        run_sequential(model, ids, recipe.passes, torch.device("cpu"))
+        compress_with(model, passes, ids)
         out[name] = evaluate(model, smollm2.tokenizer, seqlen=512, windows=4, progress=False).ppl
     return out
 

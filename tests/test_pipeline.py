@@ -1,4 +1,3 @@
-import copy
 
 import pytest
 import torch
@@ -6,8 +5,7 @@ import torch
 from compress.arch import arch_of, decoder_layers
 from compress.pipeline import run_sequential
 from compress.quant import quantized_of
-from compress.recipe import parse
-from tests.conftest import tiny
+from tests.conftest import compress_with, tiny
 
 
 class _Record:
@@ -38,10 +36,7 @@ def test_block_sweep_reproduces_the_model(model_type):
 
 def test_rtn_quantizes_every_block_linear_but_lm_head():
     model = tiny("llama")
-    recipe = parse("passes:\n  - rtn: {bits: 4, group_size: 32}\n")
-    for p in recipe.passes:
-        p.check(model)
-    run_sequential(model, None, recipe.passes, torch.device("cpu"))
+    compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n")
     names = {n for n, m in model.named_modules() if quantized_of(m) is not None}
     assert len(names) == 7 * len(decoder_layers(model))
     assert quantized_of(model.lm_head) is None
@@ -50,10 +45,7 @@ def test_rtn_quantizes_every_block_linear_but_lm_head():
 
 def test_ignore_pattern_keeps_layers_dense():
     model = tiny("llama")
-    recipe = parse("passes:\n  - rtn: {bits: 4, group_size: 32, ignore: [lm_head, mlp.down_proj, 're:layers\\.0\\.']}\n")
-    for p in recipe.passes:
-        p.check(model)
-    run_sequential(model, None, recipe.passes, torch.device("cpu"))
+    compress_with(model, "  - rtn: {bits: 4, group_size: 32, ignore: [lm_head, mlp.down_proj, 're:layers\\.0\\.']}\n")
     layers = decoder_layers(model)
     assert quantized_of(layers[1].mlp.down_proj) is None
     assert all(quantized_of(m) is None for m in layers[0].modules())
@@ -69,9 +61,7 @@ def test_tied_export_round_trip(tmp_path):
     model = tiny("llama")
     model.config.tie_word_embeddings = True
     model.tie_weights()
-    recipe = parse("passes:\n  - rtn: {bits: 4, group_size: 32}\n")
-    recipe.passes[0].check(model)
-    run_sequential(model, None, recipe.passes, torch.device("cpu"))
+    recipe = compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n")
 
     class Tok:
         def save_pretrained(self, path):

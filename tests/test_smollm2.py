@@ -4,17 +4,13 @@ import pytest
 import torch
 
 from compress.evaluate import evaluate
-from compress.pipeline import run_sequential
-from compress.recipe import parse
+from tests.conftest import compress_with
 
 WINDOWS, SEQLEN = 4, 512
 
 
 def _rtn(model, options: str):
-    recipe = parse(f"passes:\n  - rtn: {options}\n")
-    recipe.passes[0].check(model)
-    run_sequential(model, None, recipe.passes, torch.device("cpu"))
-    return recipe
+    return compress_with(model, f"  - rtn: {options}\n")
 
 
 @pytest.fixture(scope="module")
