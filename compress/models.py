@@ -98,6 +98,17 @@ def resolve(source: str) -> Path | str:
     return source
 
 
+def _dequantize_on_load(where) -> dict:
+    """compressed-tensors checkpoints (ours): unpack to plain weights at load, so that every
+    entry point (the decoder alone, our block sweep) sees ordinary linears."""
+    config = Path(where) / "config.json" if isinstance(where, Path) else None
+    if config is None or "compressed-tensors" not in config.read_text():
+        return {}
+    from transformers import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
 def _hub_reachable(host: str = "huggingface.co") -> bool:
     """A quick look-up, so that an offline machine fails at once instead of after minutes of retries."""
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
@@ -118,7 +129,8 @@ def load(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
                                                   local_files_only=local_only)
         model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, local_files_only=local_only
+            where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, local_files_only=local_only,
+            **_dequantize_on_load(where),
         )
     except OSError as e:
         if isinstance(where, Path):

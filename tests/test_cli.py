@@ -22,6 +22,12 @@ def test_apply_exports_and_reports(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["eval"]["kl"] >= 0 and 0.9 < report["eval"]["top1"] <= 1
     assert abs(report["bits_per_weight"] - 8) < 0.1  # per-channel: scales are ~0.03 bit
+    # eval on the export compares against the base model named in its manifest
+    evaluated = run("eval", str(out), "--windows", "2", "--seqlen", "256")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    assert "reference: smollm2-135m" in evaluated.stdout
+    ppl = float(evaluated.stdout.split("perplexity: ")[1].split()[0])
+    assert abs(ppl - report["eval"]["ppl"]) < 1e-3 * ppl  # the reloaded export scores what we measured
     # the output exists now: a second run without --overwrite refuses before loading anything
     again = run("apply", str(recipe), "--output", str(out))
     assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
