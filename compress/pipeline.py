@@ -38,16 +38,6 @@ class _Recorder(torch.nn.Module):
         return self.on_call(hidden_states, args, kwargs)
 
 
-def _to(obj, device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_to(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to(v, device) for k, v in obj.items()}
-    return obj
-
-
 def _layers_parent(model):
     path = arch_of(model).layers.rsplit(".", 1)[0]
     return model.get_submodule(path)
