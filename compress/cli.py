@@ -18,7 +18,7 @@ from .export import MANIFEST, ExportError
 from .models import DEFAULT_MODEL, ModelLoadError
 from .passes import RecipeError
 
-USER_ERRORS = (RecipeError, ModelLoadError, DataError, ExportError, UnknownArchitecture, ValueError)
+USER_ERRORS = (RecipeError, ModelLoadError, DataError, ExportError, UnknownArchitecture)
 
 
 def _apply(args) -> None:

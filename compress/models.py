@@ -58,8 +58,6 @@ ALIASES = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
 class Loaded:
     model: torch.nn.Module
     tokenizer: object
-    source: str  # what the user asked for (alias, folder or hub id)
-    path: Path  # the folder the weights were read from
 
 
 def _convert_gguf(alias: str) -> Path:
@@ -140,14 +138,14 @@ def load(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust
             f"or has no such model; pass a local Hugging Face folder or an alias ({', '.join(ALIASES)}) with --model"
         ) from None
     model.eval()
-    return Loaded(model, tokenizer, source, Path(where) if isinstance(where, Path) else Path(source))
+    return Loaded(model, tokenizer)
 
 
 def parse_dtype(name: str) -> torch.dtype:
     table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
              "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
     if name not in table:
-        raise ValueError(f"--dtype must be one of bfloat16, float16, float32; got {name!r}")
+        raise ModelLoadError(f"--dtype must be one of bfloat16, float16, float32; got {name!r}")
     return table[name]
 
 
@@ -155,5 +153,5 @@ def pick_device(name: str | None) -> torch.device:
     if name in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: no CUDA device is available here; use --device cpu")
+        raise ModelLoadError(f"--device {name}: no CUDA device is available here; use --device cpu")
     return torch.device(name)

@@ -113,6 +113,12 @@ def quantize_weight(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) ->
     return QuantizedWeight(scheme, q, scale.to(dtype), zero.to(torch.int8))
 
 
+def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Round-to-nearest and back, in float32: what a search scores a candidate by."""
+    qw = quantize_weight(w, scheme, torch.float32)
+    return dequantize(qw.q, qw.scale, qw.zero_point, torch.float32)
+
+
 def attach(linear: torch.nn.Linear, qw: QuantizedWeight) -> None:
     """Store the integer form on the module and make its weight the dequantized value."""
     linear.weight.data = dequantize(qw.q, qw.scale, qw.zero_point, linear.weight.dtype)

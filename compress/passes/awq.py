@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..arch import Scaling, decoder_layers
-from ..quant import QuantScheme, attach, compute_qparams, dequantize, quantize, quantize_weight
+from ..quant import QuantScheme, attach, compute_qparams, dequantize, fake_quantize, quantize, quantize_weight
 from .base import RecipeError, WeightQuantOptions, WeightQuantPass
 
 
@@ -54,11 +54,6 @@ class _Inputs:
         self.abs_sum = self.abs_sum / s
 
 
-def fake_quant(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    qw = quantize_weight(w, scheme, torch.float32)
-    return dequantize(qw.q, qw.scale, qw.zero_point, torch.float32)
-
-
 @torch.no_grad()
 def search_scale(inputs: _Inputs, linears: list[torch.nn.Linear], forward, scheme: QuantScheme,
                  grid: int) -> torch.Tensor:
@@ -75,7 +70,7 @@ def search_scale(inputs: _Inputs, linears: list[torch.nn.Linear], forward, schem
             s = x_mean.pow(i / grid).clamp(min=1e-4)  # α = 0 is plain rounding: never worse than RTN here
             s = s / (s.max() * s.min()).sqrt()
             for lin, w in zip(linears, originals):
-                lin.weight.data = (fake_quant(w.float() * s, scheme) / s).to(w.dtype)
+                lin.weight.data = (fake_quantize(w.float() * s, scheme) / s).to(w.dtype)
             err = sum((forward(x).float() - r.float()).pow(2).mean().item() for x, r in zip(inputs.samples, reference))
             if err < best_err:
                 best, best_err = s, err
