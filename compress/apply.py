@@ -91,8 +91,9 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
                     export.size_on_disk(out) / 1e6, compress_s, rss)
 
     if eval_data is not None:
-        reference = models.load(source, torch_dtype).model.to(dev) if ev.kl else None
-        result = evaluate(model.to(dev), tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data)
+        reference = models.for_compute(models.load(source, torch_dtype).model, dev) if ev.kl else None
+        result = evaluate(models.for_compute(model, dev), tokenizer, ev.ppl, seqlen, windows, reference=reference,
+                          data=eval_data)
         report.eval = result.as_dict()
     (out / "report.json").write_text(json.dumps(report.as_dict(), indent=2))
     return report

@@ -48,8 +48,10 @@ def _eval(args) -> None:
     manifest = Path(args.model) / MANIFEST
     if reference is None and manifest.exists():
         reference = json.loads(manifest.read_text()).get("base_model")
-    ref_model = models.load(reference, dtype).model.to(device) if reference and reference != "none" else None
-    result = evaluate(loaded.model.to(device), loaded.tokenizer, args.ppl, args.seqlen, args.windows, ref_model)
+    ref_model = (models.for_compute(models.load(reference, dtype).model, device)
+                 if reference and reference != "none" else None)
+    result = evaluate(models.for_compute(loaded.model, device), loaded.tokenizer, args.ppl, args.seqlen, args.windows,
+                      ref_model)
     print(f"model: {args.model}    reference: {reference or 'none'}")
     print(f"protocol: {result.protocol}")
     print(f"perplexity: {result.ppl:.4f}")

@@ -14,6 +14,7 @@ import torch
 from tqdm import tqdm
 
 from .arch import arch_of, decoder_layers
+from .models import cast_params, compute_dtype
 
 
 class _Stop(Exception):
@@ -38,24 +39,32 @@ class _Recorder(torch.nn.Module):
         return self.on_call(hidden_states, args, kwargs)
 
 
+def _home(module: torch.nn.Module) -> torch.device:
+    tensor = next(module.parameters(), None)
+    tensor = tensor if tensor is not None else next(module.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
 def _layers_parent(model):
     path = arch_of(model).layers.rsplit(".", 1)[0]
     return model.get_submodule(path)
 
 
 @torch.no_grad()
-def capture_inputs(model, ids: torch.Tensor, device: torch.device):
+def capture_inputs(model, ids: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None):
     """Hidden states entering block 0 for each sample, and each block's call arguments.
 
     Arguments (masks, rotary tables) are the same for every sample of one length,
     so they are recorded once per block; Gemma-3 gives local and global layers
-    different ones, hence per block.
+    different ones, hence per block. The modules before block 0 run in ``dtype``
+    (the compute dtype), so the captured tensors are in it too.
     """
     layers = decoder_layers(model)
     parent = _layers_parent(model)
-    for child in parent.children():
-        if child is not layers:
-            child.to(device)
+    storage = model.dtype
+    others = [(child, _home(child)) for child in parent.children() if child is not layers]
+    for child, _ in others:
+        cast_params(child, device, dtype or storage)
     originals = list(layers)
     calls: list[tuple] = [None] * len(layers)
     inputs: list[torch.Tensor] = []
@@ -85,6 +94,8 @@ def capture_inputs(model, ids: torch.Tensor, device: torch.device):
     finally:
         for i, layer in enumerate(originals):
             layers[i] = layer
+        for child, home in others:
+            cast_params(child, home, storage)
     return inputs, calls
 
 
@@ -145,16 +156,21 @@ class BlockData:
 
 
 def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device, prefix: str | None = None):
-    """Apply layer-passes block by block. ``ids`` is None when no pass needs data."""
+    """Apply layer-passes block by block. ``ids`` is None when no pass needs data.
+
+    Each block computes in the device's compute dtype (float32 on the CPU) and goes
+    back to the model's storage dtype and home device when its passes are done.
+    """
     layers = decoder_layers(model)
     prefix = prefix if prefix is not None else arch_of(model).layers + "."
-    home = next(layers[0].parameters()).device
-    inputs, calls = capture_inputs(model, ids, device) if ids is not None else (None, None)
+    home, storage = next(layers[0].parameters()).device, model.dtype
+    dtype = compute_dtype(device, storage)
+    inputs, calls = capture_inputs(model, ids, device, dtype) if ids is not None else (None, None)
     for i, block in enumerate(tqdm(layers, desc="compressing blocks", unit="block")):
-        block.to(device)
+        cast_params(block, device, dtype)
         data = BlockData(block, inputs, calls[i]) if inputs is not None else None
         for p in passes:
             p.apply(block, data, f"{prefix}{i}.")
         if data is not None and i + 1 < len(layers):
             inputs = data.forward()  # the next block sees what the compressed block produces
-        block.to(home)
+        cast_params(block, home, storage)

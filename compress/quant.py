@@ -57,7 +57,7 @@ class QuantizedWeight:
 
     scheme: QuantScheme
     q: torch.Tensor  # int8, same shape as the weight
-    scale: torch.Tensor  # (out, groups), in the model's dtype
+    scale: torch.Tensor  # (out, groups), in the storage dtype (what the export writes)
     zero_point: torch.Tensor  # (out, groups), int8; zeros when symmetric
 
 
@@ -120,8 +120,12 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 def attach(linear: torch.nn.Linear, qw: QuantizedWeight) -> None:
-    """Store the integer form on the module and make its weight the dequantized value."""
-    linear.weight.data = dequantize(qw.q, qw.scale, qw.zero_point, linear.weight.dtype)
+    """Store the integer form on the module and make its weight the dequantized value.
+
+    The value is rounded to the storage dtype (the scale's) even while the block computes
+    in float32, so the weight is bit for bit what the export reloads to.
+    """
+    linear.weight.data = dequantize(qw.q, qw.scale, qw.zero_point, qw.scale.dtype).to(linear.weight.dtype)
     linear.quantized = qw
 
 

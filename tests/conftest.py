@@ -47,3 +47,12 @@ def compress_with(model, passes_yaml: str, ids=None):
         p.check(model)
     run_sequential(model, ids, recipe.passes, torch.device("cpu"))
     return recipe
+
+
+def ppl(model, tokenizer, windows: int = 4, seqlen: int = 512) -> float:
+    """Perplexity on a short protocol, computed as `compress` does (float32 on the CPU); casts ``model`` in place."""
+    from compress.evaluate import evaluate
+    from compress.models import for_compute
+
+    return evaluate(for_compute(model, torch.device("cpu")), tokenizer, seqlen=seqlen, windows=windows,
+                    progress=False).ppl

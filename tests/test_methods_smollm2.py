@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from compress.data import calibration_batches
-from compress.evaluate import evaluate
-from tests.conftest import compress_with
+from compress.models import cast_params
 from compress.recipe import parse
+from tests.conftest import compress_with, ppl
 
 # blocks 0-9 only (the rest are ignored) keeps the test to about a minute on two cores
 W3 = "bits: 3, group_size: 64, ignore: [lm_head, 're:layers\\.[12]\\d\\.']"
@@ -34,7 +34,7 @@ def w3_ppl(smollm2):
     for name, passes in RECIPES.items():
         model = copy.deepcopy(smollm2.model)
         compress_with(model, passes, ids)
-        out[name] = evaluate(model, smollm2.tokenizer, seqlen=512, windows=4, progress=False).ppl
+        out[name] = ppl(model, smollm2.tokenizer)
     return out
 
 
@@ -46,8 +46,9 @@ def test_awq_lowers_block_output_error_vs_rtn(smollm2):
     from compress.pipeline import BlockData, capture_inputs
 
     ids, _ = calibration_batches(smollm2.model, smollm2.tokenizer, "wikitext2", 16, 256, seed=0)
-    inputs, calls = capture_inputs(smollm2.model, ids, torch.device("cpu"))
-    block = smollm2.model.model.layers[0]
+    cpu = torch.device("cpu")
+    inputs, calls = capture_inputs(smollm2.model, ids, cpu, torch.float32)
+    block = cast_params(copy.deepcopy(smollm2.model.model.layers[0]), cpu, torch.float32)
     reference = BlockData(block, inputs, calls[0]).forward()
     errors = {}
     for name, passes in {"rtn": "  - rtn: {bits: 3, group_size: 64}\n",

@@ -1,10 +1,11 @@
 """RTN and export on the real SmolLM2-135M, on a short protocol (4 windows × 512 tokens)."""
 
+import copy
+
 import pytest
 import torch
 
-from compress.evaluate import evaluate
-from tests.conftest import compress_with
+from tests.conftest import compress_with, ppl
 
 WINDOWS, SEQLEN = 4, 512
 
@@ -14,30 +15,27 @@ def _rtn(model, options: str):
 
 
 @pytest.fixture(scope="module")
-def ppl(smollm2):
+def ppls(smollm2):
     """Perplexity of RTN variants of the real model, computed once per module."""
-    import copy
-
-    results = {"dense": evaluate(smollm2.model, smollm2.tokenizer, seqlen=SEQLEN, windows=WINDOWS,
-                                 progress=False).ppl}
+    results = {"dense": ppl(copy.deepcopy(smollm2.model), smollm2.tokenizer, WINDOWS, SEQLEN)}
     for name, options in {"w8": "{bits: 8, group_size: -1}", "w4g64": "{bits: 4, group_size: 64}",
                           "w4ch": "{bits: 4, group_size: -1}"}.items():
         model = copy.deepcopy(smollm2.model)
         _rtn(model, options)
-        results[name] = evaluate(model, smollm2.tokenizer, seqlen=SEQLEN, windows=WINDOWS, progress=False).ppl
+        results[name] = ppl(model, smollm2.tokenizer, WINDOWS, SEQLEN)
     return results
 
 
-def test_w8_within_one_percent_of_dense(ppl):
-    assert abs(ppl["w8"] / ppl["dense"] - 1) < 0.01, ppl
+def test_w8_within_one_percent_of_dense(ppls):
+    assert abs(ppls["w8"] / ppls["dense"] - 1) < 0.01, ppls
 
 
-def test_w4_group64_worse_than_w8(ppl):
-    assert ppl["w4g64"] > ppl["w8"] * 1.02, ppl
+def test_w4_group64_worse_than_w8(ppls):
+    assert ppls["w4g64"] > ppls["w8"] * 1.02, ppls
 
 
-def test_w4_per_channel_worse_than_group64(ppl):
-    assert ppl["w4ch"] > ppl["w4g64"] * 1.02, ppl
+def test_w4_per_channel_worse_than_group64(ppls):
+    assert ppls["w4ch"] > ppls["w4g64"] * 1.02, ppls
 
 
 def test_export_reloads_in_plain_transformers(smollm2, smollm2_copy, tmp_path):

@@ -168,7 +168,7 @@ class AWQ(WeightQuantPass):
                 lin.weight.data = search_clip(lin.weight.data, inputs[name].x, self.scheme, o.clip_grid,
                                               o.max_shrink).to(lin.weight.dtype)
             if o.quantize:
-                attach(lin, quantize_weight(lin.weight.data, self.scheme, lin.weight.dtype))
+                attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
 
     def summary(self) -> str:
         return f"awq {self.scheme.describe()}" if self.options.quantize else "awq scales"

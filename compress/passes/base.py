@@ -74,6 +74,7 @@ class WeightQuantPass(LayerPass):
 
     Options = WeightQuantOptions
     scheme: QuantScheme
+    dtype: torch.dtype
 
     def targets(self, block: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Linear]:
         return {name: lin for name, lin in block_linears(block, self.arch).items()
@@ -85,6 +86,7 @@ class WeightQuantPass(LayerPass):
 
     def check(self, model: torch.nn.Module) -> None:
         self.arch = arch_of(model)
+        self.dtype = model.dtype  # storage dtype: scales are rounded to it (blocks may compute in float32)
         prefix = self.arch.layers + "."
         all_names = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
         for pattern in self.options.ignore:

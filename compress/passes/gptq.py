@@ -93,9 +93,9 @@ class GPTQ(WeightQuantPass):
                 lin, H = targets[name], stats[name]
                 if H.n == 0 or not torch.isfinite(H.H).all():
                     warnings.warn(f"{prefix}{name}: no usable calibration input; falling back to RTN", stacklevel=2)
-                    attach(lin, quantize_weight(lin.weight.data, self.scheme, lin.weight.dtype))
+                    attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
                     continue
-                attach(lin, gptq_quantize(lin.weight.data, H.H, self.scheme, lin.weight.dtype, o.percdamp,
+                attach(lin, gptq_quantize(lin.weight.data, H.H, self.scheme, self.dtype, o.percdamp,
                                           o.blocksize, o.actorder, prefix + name))
 
     def summary(self) -> str:

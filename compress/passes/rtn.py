@@ -15,4 +15,4 @@ class RTN(WeightQuantPass):
 
     def apply(self, block, data, prefix: str) -> None:
         for lin in self.targets(block, prefix).values():
-            attach(lin, quantize_weight(lin.weight.data, self.scheme, lin.weight.dtype))
+            attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
