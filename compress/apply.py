@@ -19,6 +19,7 @@ from .evaluate import evaluate, windows_of
 from .pipeline import run_sequential
 from .quant import quantized_of
 from .recipe import Recipe
+from .sparsity import measured_sparsity
 
 
 def peak_rss_gb() -> float:
@@ -33,6 +34,7 @@ class Report:
     output: str
     calibration: str
     bits_per_weight: float | None  # quantized linears, scales and zero-points included
+    sparsity: float | None  # share of exact zeros in the pruned linears, measured on the weights exported
     size_mb: float
     compress_s: float
     peak_rss_gb: float  # up to the end of compression (evaluation loads a second model)
@@ -83,11 +85,11 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     rss = peak_rss_gb()
 
     method = " + ".join(p.summary() for p in recipe.passes)
-    bpw = bits_per_weight(model)
+    bpw, sparsity = bits_per_weight(model), measured_sparsity(model)
     manifest = {"recipe": recipe.name, "base_model": source, "method": method, "seed": seed,
-                "calibration": calib_what, "bits_per_weight": bpw, "dtype": dtype}
+                "calibration": calib_what, "bits_per_weight": bpw, "sparsity": sparsity, "dtype": dtype}
     export.export(model, tokenizer, out, recipe.text, manifest, overwrite=overwrite)
-    report = Report(recipe.name, source, method, str(out), calib_what, bpw,
+    report = Report(recipe.name, source, method, str(out), calib_what, bpw, sparsity,
                     export.size_on_disk(out) / 1e6, compress_s, rss)
 
     if eval_data is not None:
@@ -100,12 +102,14 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
 
 
 def format_table(reports: list[Report]) -> str:
-    head = ["method", "bits/w", "size MB", "ppl before", "ppl after", "KL", "top-1", "time s", "peak RSS GB"]
+    head = ["method", "bits/w", "sparsity", "size MB", "ppl before", "ppl after", "KL", "top-1", "time s",
+            "peak RSS GB"]
     rows = []
     for r in reports:
         e = r.eval or {}
         fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
-        rows.append([r.method, fmt(r.bits_per_weight, ".2f"), f"{r.size_mb:.1f}", fmt(e.get("ref_ppl"), ".3f"),
+        rows.append([r.method, fmt(r.bits_per_weight, ".2f"), fmt(r.sparsity, ".1%"), f"{r.size_mb:.1f}",
+                     fmt(e.get("ref_ppl"), ".3f"),
                      fmt(e.get("ppl"), ".3f"), fmt(e.get("kl"), ".4f"), fmt(e.get("top1"), ".3f"),
                      f"{r.compress_s:.1f}", f"{r.peak_rss_gb:.2f}"])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]

@@ -40,40 +40,74 @@ def windows_of(tokenizer, source: str, seqlen: int, windows: int) -> torch.Tenso
     return ids[: windows * seqlen].reshape(windows, seqlen)
 
 
-def _log_probs(model, ids: torch.Tensor):
-    """Yield float32 log-probabilities for chunks of positions, never the whole (L, vocab) at once."""
-    hidden = model.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0]
+def _head(model):
+    """The output head as a function of hidden states (Gemma's final logit soft-capping included)."""
     head = model.get_output_embeddings()
     cap = getattr(model.config, "final_logit_softcapping", None)
-    chunk = max(1, (1 << 26) // head.weight.shape[0])
-    for start in range(0, hidden.shape[0] - 1, chunk):
-        logits = head(hidden[start : min(start + chunk, hidden.shape[0] - 1)]).float()
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        yield start, torch.log_softmax(logits, dim=-1)
+
+    def logits(hidden):
+        out = head(hidden).float()
+        return torch.tanh(out / cap) * cap if cap else out
+
+    return logits, head.weight.shape[0]
+
+
+class _Score:
+    """Running sums for one model: NLL, and against the reference KL and top-1 agreement."""
+
+    def __init__(self):
+        self.nll = self.kl = 0.0
+        self.agree = self.count = 0
 
 
 @torch.no_grad()
+def evaluate_many(models: dict, tokenizer, source: str = "wikitext2", seqlen: int = 2048, windows: int = 40,
+                  reference=None, progress: bool = True, data: torch.Tensor | None = None) -> dict[str, EvalResult]:
+    """Score several models on the same windows, running the reference once per window.
+
+    Log-probabilities are formed a chunk of positions at a time, never as a whole
+    (seqlen × vocab) tensor per model.
+    """
+    data = windows_of(tokenizer, source, seqlen, windows) if data is None else data
+    everyone = dict(models, **({_REF: reference} if reference is not None else {}))
+    scores = {name: _Score() for name in everyone}
+    heads = {name: _head(m) for name, m in everyone.items()}
+    for window in tqdm(data, desc="evaluating", unit="window", disable=not progress):
+        hidden = {}
+        for name, m in everyone.items():
+            ids = window.unsqueeze(0).to(next(m.parameters()).device)
+            hidden[name] = m.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        targets = window[1:]
+        chunk = max(1, (1 << 26) // max(vocab for _, vocab in heads.values()))
+        for start in range(0, len(targets), chunk):
+            t = targets[start : start + chunk, None]
+            logps = {name: torch.log_softmax(heads[name][0](h[start : start + chunk]), -1).cpu()
+                     for name, h in hidden.items()}
+            ref = logps.get(_REF)
+            for name, logp in logps.items():
+                sc = scores[name]
+                sc.nll -= logp.gather(1, t).sum().item()
+                sc.count += t.shape[0]
+                if ref is not None and name != _REF:
+                    sc.kl += (ref.exp() * (ref - logp)).sum().item()
+                    sc.agree += (ref.argmax(-1) == logp.argmax(-1)).sum().item()
+    protocol = f"{describe_source(source, 'test')}, {windows} × {seqlen} tokens"
+    ref_ppl = math.exp(scores[_REF].nll / scores[_REF].count) if reference is not None else None
+    out = {}
+    for name in models:
+        sc = scores[name]
+        if reference is None:
+            out[name] = EvalResult(protocol, math.exp(sc.nll / sc.count))
+        else:
+            out[name] = EvalResult(protocol, math.exp(sc.nll / sc.count), ref_ppl, sc.kl / sc.count,
+                                   sc.agree / sc.count)
+    return out
+
+
+_REF = "\0reference"
+
+
 def evaluate(model, tokenizer, source: str = "wikitext2", seqlen: int = 2048, windows: int = 40,
              reference=None, progress: bool = True, data: torch.Tensor | None = None) -> EvalResult:
     """``data`` (windows × seqlen ids from ``windows_of``) may be prepared early to fail before compute."""
-    data = windows_of(tokenizer, source, seqlen, windows) if data is None else data
-    device = next(model.parameters()).device
-    nll, ref_nll, kl, agree, count = 0.0, 0.0, 0.0, 0, 0
-    for window in tqdm(data, desc="evaluating", unit="window", disable=not progress):
-        ids = window.unsqueeze(0).to(device)
-        targets = window[1:].to(device)
-        ref_chunks = _log_probs(reference, ids) if reference is not None else None
-        for start, logp in _log_probs(model, ids):
-            t = targets[start : start + logp.shape[0]]
-            nll -= logp.gather(1, t[:, None]).sum().item()
-            if ref_chunks is not None:
-                _, ref_logp = next(ref_chunks)
-                ref_nll -= ref_logp.gather(1, t[:, None]).sum().item()
-                kl += (ref_logp.exp() * (ref_logp - logp)).sum().item()
-                agree += (ref_logp.argmax(-1) == logp.argmax(-1)).sum().item()
-            count += logp.shape[0]
-    protocol = f"{describe_source(source, 'test')}, {windows} × {seqlen} tokens"
-    if reference is None:
-        return EvalResult(protocol, math.exp(nll / count))
-    return EvalResult(protocol, math.exp(nll / count), math.exp(ref_nll / count), kl / count, agree / count)
+    return evaluate_many({"model": model}, tokenizer, source, seqlen, windows, reference, progress, data)["model"]

@@ -147,6 +147,8 @@ class BlockData:
         and fed via ``.add(x)``. The forward stops at the last group.
         """
         stats, hooks = {}, {}
+        if not groups:  # every linear of this block is ignored
+            return stats
         for group in groups:
             stat = make_stat(self.block.get_submodule(group[0]))
             hooks[group[0]] = stat.add

@@ -2,8 +2,9 @@
 
     python scripts/bench_recipes.py --models smollm2-135m gemma3-270m --recipes rtn-w8 rtn-w4
 
-Each recipe runs as its own `compress apply` process, so peak RSS is per run.
-The dense row is the reference model the runs are compared against.
+Each recipe compresses in its own `compress apply --no-eval` process, so the time and peak RSS
+are per run. Then every export of a model is reloaded from disk (so what is scored is what was
+written) and scored on the same windows in one pass, with the dense reference run once.
 """
 
 from __future__ import annotations
@@ -33,18 +34,40 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}, {platform.python_version()}"
 
 
-def run(recipe: str, model: str, args, out: Path) -> dict:
+def compress(recipe: str, model: str, args, out: Path) -> dict:
     cmd = [sys.executable, "-m", "compress.cli", "apply", recipe, "--model", model, "--output", str(out),
-           "--overwrite", "--windows", str(args.windows), "--seqlen", str(args.seqlen), "--dtype", args.dtype]
+           "--overwrite", "--no-eval", "--dtype", args.dtype]
     if args.samples:
         cmd += ["--samples", str(args.samples)]
-    start = time.perf_counter()
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
-    report = json.loads((out / "report.json").read_text())
-    report["wall_s"] = time.perf_counter() - start
-    return report
+    return json.loads((out / "report.json").read_text())
+
+
+def score(model: str, reports: list[dict], args) -> None:
+    """Fill each report's ``eval`` from one shared pass over the evaluation windows."""
+    import torch
+
+    from compress import models
+    from compress.evaluate import evaluate_many
+
+    device = models.pick_device(args.device)
+    dtype = models.parse_dtype(args.dtype)
+    loaded = models.load(model, dtype)
+    reference = models.for_compute(loaded.model, device)
+    candidates = {r["recipe"]: models.for_compute(models.load(r["output"], dtype).model, device) for r in reports}
+    start = time.perf_counter()
+    results = evaluate_many(candidates, loaded.tokenizer, "wikitext2", args.seqlen, args.windows, reference)
+    print(f"scored {len(reports)} exports of {model} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
+    for r in reports:
+        r["eval"] = results[r["recipe"]].as_dict()
+    del candidates, reference
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+
+def fmt(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
 
 
 def main() -> None:
@@ -55,28 +78,33 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--samples", type=int, help="calibration samples (default: each recipe's)")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--keep", help="keep the exports in this folder (default: a temporary one)")
     parser.add_argument("--json", help="also write the raw reports here")
     args = parser.parse_args()
 
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")
-    print(f"protocol: wikitext-2-raw test, {args.windows} windows × {args.seqlen} tokens, dtype {args.dtype}\n")
+    print(f"protocol: wikitext-2-raw test, {args.windows} windows × {args.seqlen} tokens, stored {args.dtype}, "
+          "computed in float32 on the CPU\n")
     rows, raw = [], []
     with tempfile.TemporaryDirectory() as tmp:
+        root = Path(args.keep or tmp)
         for model in args.models:
-            dense = None
+            reports = []
             for recipe in args.recipes:
-                r = run(recipe, model, args, Path(tmp) / f"{model}-{recipe}")
-                raw.append(r)
+                r = compress(recipe, model, args, root / f"{model}-{Path(recipe).stem}")
+                print(f"compressed: {model} {recipe} in {r['compress_s']:.0f} s", file=sys.stderr, flush=True)
+                reports.append(r)
+            score(model, reports, args)
+            raw += reports
+            rows.append([model, "dense", "16", "", "", f"{reports[0]['eval']['ref_ppl']:.3f}", "0", "1.000", "", ""])
+            for r in reports:
                 e = r["eval"]
-                if dense is None:
-                    dense = e["ref_ppl"]
-                    rows.append([model, "dense (bf16)", "16", "", f"{dense:.3f}", "0", "1.000", "", ""])
-                rows.append([model, r["method"], f"{r['bits_per_weight']:.2f}", f"{r['size_mb']:.1f}",
-                             f"{e['ppl']:.3f}", f"{e['kl']:.4f}", f"{e['top1']:.3f}", f"{r['compress_s']:.1f}",
-                             f"{r['peak_rss_gb']:.2f}"])
-                print(f"done: {model} {recipe} ({r['wall_s']:.0f} s with evaluation)", file=sys.stderr, flush=True)
-    head = ["model", "method", "bits/w", "size MB", "ppl", "KL", "top-1", "compress s", "peak RSS GB"]
+                rows.append([model, r["method"], fmt(r["bits_per_weight"], ".2f"), fmt(r.get("sparsity"), ".1%"),
+                             f"{r['size_mb']:.1f}", f"{e['ppl']:.3f}", f"{e['kl']:.4f}", f"{e['top1']:.3f}",
+                             f"{r['compress_s']:.1f}", f"{r['peak_rss_gb']:.2f}"])
+    head = ["model", "method", "bits/w", "sparsity", "size MB", "ppl", "KL", "top-1", "compress s", "peak RSS GB"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows:

@@ -45,7 +45,7 @@ def compress_with(model, passes_yaml: str, ids=None):
     recipe = parse("passes:\n" + passes_yaml)
     for p in recipe.passes:
         p.check(model)
-    run_sequential(model, ids, recipe.passes, torch.device("cpu"))
+    run_sequential(model, ids if recipe.needs_data else None, recipe.passes, torch.device("cpu"))
     return recipe
 
 
@@ -56,3 +56,21 @@ def ppl(model, tokenizer, windows: int = 4, seqlen: int = 512) -> float:
 
     return evaluate(for_compute(model, torch.device("cpu")), tokenizer, seqlen=seqlen, windows=windows,
                     progress=False).ppl
+
+
+class _NoTokenizer:
+    def save_pretrained(self, path):
+        pass
+
+
+def export_and_reload(model, recipe, folder, dtype=None):
+    """Export ``model`` (tiny models have no tokenizer) and load it back with plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.export import export
+
+    out = export(model, _NoTokenizer(), folder, recipe.text, {})
+    reloaded = AutoModelForCausalLM.from_pretrained(out, **({"dtype": dtype} if dtype else {}))
+    with torch.no_grad():
+        reloaded(torch.zeros(1, 1, dtype=torch.long))  # compressed-tensors decompresses on the first forward
+    return reloaded

@@ -4,9 +4,9 @@ import torch
 from compress.arch import arch_of, decoder_layers
 from compress.hessian import Hessian
 from compress.passes.awq import fold, search_scale
-from compress.passes.gptq import gptq_quantize
+from compress.obs import obs_sweep
 from compress.quant import QuantScheme, dequantize, quantize_weight, quantized_of
-from tests.conftest import compress_with, tiny
+from tests.conftest import compress_with, export_and_reload, tiny
 
 
 def _layer_and_inputs(outliers: bool = False):
@@ -29,7 +29,7 @@ def _out_err(X, W, qw):
 def test_gptq_beats_rtn_on_layer_output(scheme, actorder):
     lin, X, h = _layer_and_inputs()
     W = lin.weight.data
-    gptq = gptq_quantize(W, h.H, scheme, torch.float32, actorder=actorder)
+    gptq = obs_sweep(W, h.H, "layer", scheme=scheme, actorder=actorder).quantized
     rtn = quantize_weight(W, scheme, torch.float32)
     assert _out_err(X, W, gptq) < 0.8 * _out_err(X, W, rtn)
 
@@ -41,27 +41,16 @@ def test_singular_hessian_does_not_crash():
     h = Hessian(lin)
     h.add(X[:16])  # fewer tokens than channels: rank-deficient too
     with pytest.warns(UserWarning, match="layer: Hessian not positive definite; dampening raised"):
-        qw = gptq_quantize(lin.weight.data, h.H, QuantScheme(4, 64, True), torch.float32, percdamp=0.0)
+        qw = obs_sweep(lin.weight.data, h.H, "layer", scheme=QuantScheme(4, 64, True), percdamp=0.0).quantized
     assert torch.isfinite(qw.scale).all()
     assert (qw.q[:, 5] == 0).all()  # a dead column's weight is zeroed, as in the reference
 
 
 def test_actorder_export_reloads_to_the_same_weights(tmp_path):
     """Act-order keeps static groups: the plain pack-quantized layout (no g_idx) reproduces the weights."""
-    from transformers import AutoModelForCausalLM
-
-    from compress.export import export
-
     model = tiny("llama")
     recipe = compress_with(model, "  - gptq: {bits: 4, group_size: 32, actorder: true}\n", torch.randint(0, 128, (4, 32)))
-
-    class Tok:
-        def save_pretrained(self, path):
-            pass
-
-    reloaded = AutoModelForCausalLM.from_pretrained(export(model, Tok(), tmp_path / "x", recipe.text, {}))
-    with torch.no_grad():
-        reloaded(torch.zeros(1, 1, dtype=torch.long))  # compressed-tensors decompresses on the first forward
+    reloaded = export_and_reload(model, recipe, tmp_path / "x")
     for (name, ours), (_, theirs) in zip(model.named_modules(), reloaded.named_modules()):
         if quantized_of(ours) is not None:
             assert torch.equal(ours.weight, theirs.weight), name

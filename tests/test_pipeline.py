@@ -5,7 +5,7 @@ import torch
 from compress.arch import arch_of, decoder_layers
 from compress.pipeline import run_sequential
 from compress.quant import quantized_of
-from tests.conftest import compress_with, tiny
+from tests.conftest import compress_with, export_and_reload, tiny
 
 
 class _Record:
@@ -54,21 +54,11 @@ def test_ignore_pattern_keeps_layers_dense():
 
 def test_tied_export_round_trip(tmp_path):
     """A tiny tied model exports and reloads in plain transformers with identical logits."""
-    from transformers import AutoModelForCausalLM
-
-    from compress.export import export
-
     model = tiny("llama")
     model.config.tie_word_embeddings = True
     model.tie_weights()
     recipe = compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n")
-
-    class Tok:
-        def save_pretrained(self, path):
-            pass
-
-    out = export(model, Tok(), tmp_path / "x", recipe.text, {})
-    reloaded = AutoModelForCausalLM.from_pretrained(out)
+    reloaded = export_and_reload(model, recipe, tmp_path / "x")
     ids = torch.randint(0, 128, (1, 16))
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)

@@ -1,4 +1,4 @@
-"""The pass contract and what weight-quantization passes share.
+"""The pass contract, and what weight-quantization and pruning passes share.
 
 A layer-pass is a class with an ``Options`` model (its YAML keys; typos fail)
 and two methods: ``check(model)`` validates against the model's shapes before
@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import ClassVar, Literal, Union
+from typing import ClassVar, Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
 from ..arch import arch_of, block_linears, decoder_layers
 from ..quant import QuantScheme, resolve_group_size
+from ..sparsity import Pattern, parse_pattern
 
 
 class RecipeError(ValueError):
@@ -53,13 +54,18 @@ def matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
-class WeightQuantOptions(PassOptions):
+class LinearOptions(PassOptions):
+    ignore: list[str] = ["lm_head"]
+
+
+class QuantSpec(PassOptions):
+    """A weight quantization scheme as written in a recipe (``group_size: auto`` resolved at check)."""
+
     bits: Literal[2, 3, 4, 8] = 4
     group_size: Union[Literal["auto"], int] = "auto"
     # Symmetric by default: transformers 5 + compressed-tensors 0.20 cannot reload asymmetric
     # pack-quantized checkpoints (vLLM can); see README "Known limits".
     symmetric: bool = True
-    ignore: list[str] = ["lm_head"]
 
     @field_validator("group_size")
     @classmethod
@@ -69,11 +75,38 @@ class WeightQuantOptions(PassOptions):
         return v
 
 
-class WeightQuantPass(LayerPass):
-    """Shared target selection and group-size validation for weight quantizers."""
+class WeightQuantOptions(QuantSpec, LinearOptions):
+    pass
 
-    Options = WeightQuantOptions
-    scheme: QuantScheme
+
+def _shape_pattern(name: str) -> str:
+    return re.sub(r"\.\d+\.", ".*.", name)
+
+
+def _listed(bad: list[tuple[str, int]]) -> str:
+    listed = ", ".join(f"{n} (in_features {w})" for n, w in bad[:4])
+    return listed + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
+
+
+def resolve_scheme(spec: QuantSpec, widths: dict[str, int], where: str) -> QuantScheme:
+    """The scheme for layers of these input widths; a group size that does not divide one names it."""
+    g = resolve_group_size(spec.group_size, list(widths.values()))
+    if g != -1:
+        bad = sorted({(_shape_pattern(n), w) for n, w in widths.items() if w % g})
+        if bad:
+            raise RecipeError(f"{where}.group_size: {g} does not divide the input width of {_listed(bad)}; "
+                              "use group_size: auto, -1, or a divisor of every width")
+    scheme = QuantScheme(spec.bits, g, spec.symmetric)
+    if not scheme.symmetric:
+        warnings.warn(f"{where}.symmetric: false exports zero-points that vLLM reads but transformers "
+                      "5 with compressed-tensors 0.20 cannot reload (see README, Known limits)", stacklevel=3)
+    return scheme
+
+
+class LinearPass(LayerPass):
+    """A pass over the linears of each block, minus ``ignore``; remembers the storage dtype."""
+
+    Options = LinearOptions
     dtype: torch.dtype
 
     def targets(self, block: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Linear]:
@@ -85,6 +118,7 @@ class WeightQuantPass(LayerPass):
         return [g for g in (tuple(n for n in grp if n in targets) for grp in self.arch.groups) if g]
 
     def check(self, model: torch.nn.Module) -> None:
+        """Resolve targets on the model; ``self.widths`` maps each targeted linear to its input width."""
         self.arch = arch_of(model)
         self.dtype = model.dtype  # storage dtype: scales are rounded to it (blocks may compute in float32)
         prefix = self.arch.layers + "."
@@ -92,26 +126,62 @@ class WeightQuantPass(LayerPass):
         for pattern in self.options.ignore:
             if not any(matches(n, pattern) for n in all_names):
                 warnings.warn(f"{self.where}.ignore: pattern {pattern!r} matches no linear layer", stacklevel=2)
-        targeted = {}
-        for i, block in enumerate(decoder_layers(model)):
-            for name, lin in self.targets(block, f"{prefix}{i}.").items():
-                targeted[f"{prefix}{i}.{name}"] = lin.in_features
-        if not targeted:
+        self.widths = {f"{prefix}{i}.{name}": lin.in_features for i, block in enumerate(decoder_layers(model))
+                       for name, lin in self.targets(block, f"{prefix}{i}.").items()}
+        if not self.widths:
             raise RecipeError(f"{self.where}.ignore: every linear layer is ignored, the pass would do nothing")
-        g = resolve_group_size(self.options.group_size, list(targeted.values()))
-        if g != -1:
-            bad = sorted({(re.sub(r"\.\d+\.", ".*.", n), w) for n, w in targeted.items() if w % g})
-            if bad:
-                listed = ", ".join(f"{n} (in_features {w})" for n, w in bad[:4])
-                listed += f" and {len(bad) - 4} more" if len(bad) > 4 else ""
-                raise RecipeError(
-                    f"{self.where}.group_size: {g} does not divide the input width of {listed}; "
-                    "use group_size: auto, -1, or a divisor of every width"
-                )
-        self.scheme = QuantScheme(self.options.bits, g, self.options.symmetric)
-        if not self.scheme.symmetric:
-            warnings.warn(f"{self.where}.symmetric: false exports zero-points that vLLM reads but transformers "
-                          "5 with compressed-tensors 0.20 cannot reload (see README, Known limits)", stacklevel=2)
+
+
+class WeightQuantPass(LinearPass):
+    """Weight quantizers: a ``QuantScheme`` checked against every targeted layer's width."""
+
+    Options = WeightQuantOptions
+    scheme: QuantScheme
+
+    def check(self, model: torch.nn.Module) -> None:
+        super().check(model)
+        self.scheme = resolve_scheme(self.options, self.widths, self.where)
 
     def summary(self) -> str:
         return f"{self.name} {self.scheme.describe()}"
+
+
+class PruneOptions(LinearOptions):
+    pattern: str = "unstructured"  # or N:M, e.g. 2:4 (at most 2 non-zeros in every 4 inputs)
+    sparsity: Optional[float] = None  # unstructured: the share pruned (default 0.5); N:M fixes it
+    skip_indivisible: bool = False  # N:M on a layer whose width M does not divide: skip it instead of failing
+
+    @model_validator(mode="after")
+    def _pattern(self):
+        parse_pattern(self.pattern, self.sparsity)  # a ValueError here names the pass's YAML path
+        return self
+
+
+class PrunePass(LinearPass):
+    """Pruning passes: a sparsity ``Pattern``, checked against every targeted layer's width."""
+
+    Options = PruneOptions
+    pattern: Pattern
+    skipped: frozenset[str] = frozenset()
+
+    def targets(self, block: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Linear]:
+        return {n: lin for n, lin in super().targets(block, prefix).items() if prefix + n not in self.skipped}
+
+    def check(self, model: torch.nn.Module) -> None:
+        super().check(model)
+        self.pattern = parse_pattern(self.options.pattern, self.options.sparsity)
+        m = self.pattern.m
+        bad = {n: w for n, w in self.widths.items() if m and w % m}
+        if bad and not self.options.skip_indivisible:
+            raise RecipeError(f"{self.where}.pattern: {self.options.pattern} needs input widths divisible by {m}, "
+                              f"not so for {_listed(sorted({(_shape_pattern(n), w) for n, w in bad.items()}))}; "
+                              "set skip_indivisible: true to leave them dense, or ignore them")
+        if bad:
+            warnings.warn(f"{self.where}: {len(bad)} layers with widths not divisible by {m} stay dense", stacklevel=2)
+            self.skipped = frozenset(bad)
+            self.widths = {n: w for n, w in self.widths.items() if n not in bad}
+            if not self.widths:
+                raise RecipeError(f"{self.where}: no targeted layer has a width divisible by {m}")
+
+    def summary(self) -> str:
+        return f"{self.name} {self.pattern.describe()}"

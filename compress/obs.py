@@ -1,0 +1,114 @@
+"""The Optimal Brain Surgeon column sweep shared by GPTQ and SparseGPT.
+
+Columns of ``W`` are visited left to right. Each is pruned (where the mask says so)
+and/or rounded to the grid, and its error is pushed onto the columns not visited yet
+through ``U``, the upper Cholesky factor of ``H⁻¹`` (``H = 2XᵀX``):
+
+    err = (w - q) / U[i, i]        W[:, i:] -= err ⊗ U[i, i:]
+
+with lazy updates in blocks of ``blocksize`` columns (GPTQ §3). SparseGPT chooses the
+mask inside the sweep from ``w² / U[i, i]²``: per block of columns for unstructured
+sparsity (its "adaptive mask selection"), per group of M columns for N:M. A mask given
+by an earlier pruning pass is kept: those weights round to exactly zero.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .hessian import Hessian, dead_columns, inverse_cholesky
+from .quant import QuantizedWeight, QuantScheme, compute_qparams
+from .sparsity import Pattern, nm_mask, select_mask
+
+
+@dataclass
+class SweepResult:
+    weight: torch.Tensor  # float32, the final (pruned and/or dequantized) weight
+    mask: torch.Tensor  # True where pruned
+    quantized: QuantizedWeight | None  # the integers, when a scheme was given
+
+
+@torch.no_grad()
+def obs_sweep(weight: torch.Tensor, H: torch.Tensor, name: str, *, scheme: QuantScheme | None = None,
+              dtype: torch.dtype = torch.float32, prune: Pattern | None = None, mask: torch.Tensor | None = None,
+              percdamp: float = 0.01, blocksize: int = 128, actorder: bool = False) -> SweepResult:
+    """Round (``scheme``) and/or prune (``prune``, or a fixed ``mask``) ``weight`` column by column.
+
+    ``dtype`` is the storage dtype scales are rounded to. With ``actorder`` columns go in
+    order of decreasing ``diag(H)`` while group scales stay tied to the original column
+    positions ("static groups"), so the export needs no permutation (no ``g_idx``).
+    """
+    W = weight.float().clone()
+    rows, cols = W.shape
+    W[:, dead_columns(H)] = 0
+    mask = torch.zeros_like(W, dtype=torch.bool) if mask is None else mask.clone()
+    if scheme is not None:
+        gs = cols if scheme.group_size == -1 else scheme.group_size
+        column_scheme = QuantScheme(scheme.bits, -1, scheme.symmetric)
+        static = actorder or scheme.group_size == -1
+        if static:  # every group's scale from the weights before any update
+            scale, zero = compute_qparams(W.masked_fill(mask, 0), scheme, dtype)
+        else:  # each group's scale from its weights as updated so far (the paper's default)
+            scale = torch.empty(rows, cols // gs, device=W.device)
+            zero = torch.empty_like(scale)
+        Q = torch.empty(rows, cols, dtype=torch.int8, device=W.device)
+
+    perm = torch.argsort(torch.diag(H), descending=True) if actorder else torch.arange(cols, device=W.device)
+    W, H, mask = W[:, perm], H[perm][:, perm], mask[:, perm]
+    U = inverse_cholesky(H, percdamp, name)
+    group = (perm // gs).tolist() if scheme is not None else None
+
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        W1, U1, M1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2], mask[:, i1:i2]
+        d = torch.diag(U1)
+        Err1 = torch.zeros_like(W1)
+        if prune is not None and not prune.structured:
+            M1 |= select_mask((W1 / d).pow(2).masked_fill(M1, -1), prune, per_row=False)
+        for i in range(i2 - i1):
+            c = i1 + i
+            if prune is not None and prune.structured and i % prune.m == 0:
+                score = (W1[:, i : i + prune.m] / d[i : i + prune.m]).pow(2).masked_fill(M1[:, i : i + prune.m], -1)
+                M1[:, i : i + prune.m] |= nm_mask(score, prune.n, prune.m)
+            w = W1[:, i]
+            q = w.masked_fill(M1[:, i], 0)
+            if scheme is not None:
+                g = group[c]
+                if not static and c % gs == 0:
+                    s, z = compute_qparams(W1[:, i : i + gs].masked_fill(M1[:, i : i + gs], 0), column_scheme, dtype)
+                    scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
+                qi = torch.clamp(torch.round(q / scale[:, g]) + zero[:, g], scheme.qmin, scheme.qmax)
+                qi = torch.where(M1[:, i], zero[:, g], qi)  # pruned: the zero-point, which dequantizes to 0
+                Q[:, c] = qi.to(torch.int8)
+                q = (qi - zero[:, g]) * scale[:, g]
+            err = (w - q) / U1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) @ U1[i, i:].unsqueeze(0)
+            W1[:, i] = q
+            Err1[:, i] = err
+        W[:, i1:i2] = W1
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+
+    inverse = torch.argsort(perm)
+    quantized = None
+    if scheme is not None:
+        quantized = QuantizedWeight(scheme, Q[:, inverse], scale.to(dtype), zero.to(torch.int8))
+    return SweepResult(W[:, inverse], mask[:, inverse], quantized)
+
+
+def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool):
+    """Yield ``(linear name, Hessian)`` for every linear in ``groups``.
+
+    With ``true_sequential`` each group (q/k/v, then o, then gate/up, then down) is observed
+    only after the caller has transformed the groups before it, so it sees their compressed
+    outputs; without, one forward observes every group of the block.
+    """
+    for stage in ([[g] for g in groups] if true_sequential else [groups]):
+        stats = data.observe(stage, Hessian)
+        for name in (n for g in stage for n in g):
+            yield name, stats[name]
+
+
+def usable(H: Hessian) -> bool:
+    return H.n > 0 and bool(torch.isfinite(H.H).all())

@@ -1,0 +1,63 @@
+"""SparseGPT (Frantar & Alistarh 2023): choose the mask inside the OBS column sweep from
+``w² / [H⁻¹]²_cc`` and reconstruct the surviving weights from the pruned ones' error.
+
+Unstructured masks are chosen per block of ``blocksize`` columns (adaptive mask selection),
+N:M masks per group of M columns. With ``quantize:`` the survivors are rounded in the same
+sweep (GPTQ-style), so "2:4 + W4" is one pass over the data. The sweep is ``compress/obs.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+from ..obs import hessian_stages, obs_sweep, usable
+from ..quant import attach
+from ..sparsity import apply_mask, prune_mask_of, select_mask
+from .base import PruneOptions, PrunePass, QuantSpec, RecipeError, resolve_scheme
+
+
+class SparseGPTOptions(PruneOptions):
+    quantize: Optional[QuantSpec] = None  # e.g. {bits: 4, group_size: auto}: prune and round jointly
+    percdamp: float = 0.01
+    blocksize: int = 128
+    true_sequential: bool = True
+
+
+class SparseGPT(PrunePass):
+    name = "sparsegpt"
+    Options = SparseGPTOptions
+    scheme = None
+
+    def check(self, model) -> None:
+        super().check(model)
+        o = self.options
+        if self.pattern.structured and o.blocksize % self.pattern.m:
+            raise RecipeError(f"{self.where}.blocksize: {o.blocksize} must be a multiple of M={self.pattern.m}")
+        if o.quantize is not None:
+            self.scheme = resolve_scheme(o.quantize, self.widths, f"{self.where}.quantize")
+            gs = self.scheme.group_size
+            if gs != -1 and o.blocksize % gs:
+                raise RecipeError(f"{self.where}.blocksize: {o.blocksize} must be a multiple of the group size {gs}")
+
+    def apply(self, block, data, prefix: str) -> None:
+        o = self.options
+        targets = self.targets(block, prefix)
+        for name, H in hessian_stages(data, self.target_groups(targets), o.true_sequential):
+            lin = targets[name]
+            if not usable(H):
+                warnings.warn(f"{prefix}{name}: no usable calibration input; falling back to magnitude pruning",
+                              stacklevel=2)
+                apply_mask(lin, select_mask(lin.weight.data.float().abs(), self.pattern, per_row=False))
+                continue
+            result = obs_sweep(lin.weight.data, H.H, prefix + name, scheme=self.scheme, dtype=self.dtype,
+                               prune=self.pattern, mask=prune_mask_of(lin), percdamp=o.percdamp,
+                               blocksize=o.blocksize)
+            if result.quantized is not None:
+                attach(lin, result.quantized)
+            else:
+                lin.weight.data = result.weight.to(self.dtype).to(lin.weight.dtype)
+            apply_mask(lin, result.mask)
+
+    def summary(self) -> str:
+        return super().summary() + (f" + {self.scheme.describe()}" if self.scheme is not None else "")
