@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from . import data, export, models
+from . import data, export, kvcache, lowrank, models
 from .evaluate import evaluate, windows_of
 from .pipeline import run_sequential
 from .quant import quantized_of
@@ -35,6 +35,8 @@ class Report:
     calibration: str
     bits_per_weight: float | None  # quantized linears, scales and zero-points included
     sparsity: float | None  # share of exact zeros in the pruned linears, measured on the weights exported
+    params_kept: float | None  # factored layers: their parameters over the dense layers'
+    kv_bytes_per_token: float | None  # quantized KV cache, scales included (bf16 dense: see kvcache)
     size_mb: float
     compress_s: float
     peak_rss_gb: float  # up to the end of compression (evaluation loads a second model)
@@ -85,11 +87,13 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     rss = peak_rss_gb()
 
     method = " + ".join(p.summary() for p in recipe.passes)
-    bpw, sparsity = bits_per_weight(model), measured_sparsity(model)
+    bpw, sparsity, kept = bits_per_weight(model), measured_sparsity(model), lowrank.params_kept(model)
+    kv = kvcache.bytes_per_token(model)
     manifest = {"recipe": recipe.name, "base_model": source, "method": method, "seed": seed,
-                "calibration": calib_what, "bits_per_weight": bpw, "sparsity": sparsity, "dtype": dtype}
+                "calibration": calib_what, "bits_per_weight": bpw, "sparsity": sparsity, "params_kept": kept,
+                "kv_bytes_per_token": kv, "dtype": dtype}
     export.export(model, tokenizer, out, recipe.text, manifest, overwrite=overwrite)
-    report = Report(recipe.name, source, method, str(out), calib_what, bpw, sparsity,
+    report = Report(recipe.name, source, method, str(out), calib_what, bpw, sparsity, kept, kv,
                     export.size_on_disk(out) / 1e6, compress_s, rss)
 
     if eval_data is not None:
@@ -102,13 +106,14 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
 
 
 def format_table(reports: list[Report]) -> str:
-    head = ["method", "bits/w", "sparsity", "size MB", "ppl before", "ppl after", "KL", "top-1", "time s",
+    head = ["method", "bits/w", "sparsity", "params kept", "size MB", "ppl before", "ppl after", "KL", "top-1", "time s",
             "peak RSS GB"]
     rows = []
     for r in reports:
         e = r.eval or {}
         fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
-        rows.append([r.method, fmt(r.bits_per_weight, ".2f"), fmt(r.sparsity, ".1%"), f"{r.size_mb:.1f}",
+        rows.append([r.method, fmt(r.bits_per_weight, ".2f"), fmt(r.sparsity, ".1%"), fmt(r.params_kept, ".1%"),
+                     f"{r.size_mb:.1f}",
                      fmt(e.get("ref_ppl"), ".3f"),
                      fmt(e.get("ppl"), ".3f"), fmt(e.get("kl"), ".4f"), fmt(e.get("top1"), ".3f"),
                      f"{r.compress_s:.1f}", f"{r.peak_rss_gb:.2f}"])

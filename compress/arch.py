@@ -82,3 +82,16 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 def block_linears(block: torch.nn.Module, arch: Arch) -> dict[str, torch.nn.Linear]:
     """The linears of one block, in forward order, by their name inside the block."""
     return {name: block.get_submodule(name) for group in arch.groups for name in group}
+
+
+def foldable_scalings(model: torch.nn.Module) -> list[Scaling]:
+    """The scalings whose ``prev`` output width matches its linears' input (v -> o drops out
+    under grouped-query attention, where v is narrower than o's input)."""
+    arch, block = arch_of(model), decoder_layers(model)[0]
+    out = []
+    for m in arch.scalings:
+        prev = block.get_submodule(m.prev)
+        width = prev.out_features if isinstance(prev, torch.nn.Linear) else prev.weight.shape[0]
+        if all(block.get_submodule(n).in_features == width for n in m.linears):
+            out.append(m)
+    return out

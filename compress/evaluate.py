@@ -9,12 +9,14 @@ perplexity alone hides damage.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
 import torch
 from tqdm import tqdm
 
+from . import kvcache
 from .data import DataError, describe_source, load_text, tokenize
 
 
@@ -60,6 +62,29 @@ class _Score:
         self.agree = self.count = 0
 
 
+def _score_windows(data, everyone: dict, heads: dict, scores: dict, progress: bool) -> None:
+    for window in tqdm(data, desc="evaluating", unit="window", disable=not progress):
+        hidden = {}
+        for name, m in everyone.items():
+            ids = window.unsqueeze(0).to(next(m.parameters()).device)
+            hidden[name] = m.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
+        targets = window[1:]
+        chunk = max(1, (1 << 26) // max(vocab for _, vocab in heads.values()))
+        for start in range(0, len(targets), chunk):  # on the models' device: a window's logits are ~400 MB
+            logps = {name: torch.log_softmax(heads[name][0](h[start : start + chunk]), -1)
+                     for name, h in hidden.items()}
+            ref = logps.get(_REF)
+            for name, logp in logps.items():
+                sc = scores[name]
+                t = targets[start : start + chunk, None].to(logp.device)
+                sc.nll -= logp.gather(1, t).sum().item()
+                sc.count += t.shape[0]
+                if ref is not None and name != _REF:
+                    ref = ref.to(logp.device)
+                    sc.kl += (ref.exp() * (ref - logp)).sum().item()
+                    sc.agree += (ref.argmax(-1) == logp.argmax(-1)).sum().item()
+
+
 @torch.no_grad()
 def evaluate_many(models: dict, tokenizer, source: str = "wikitext2", seqlen: int = 2048, windows: int = 40,
                   reference=None, progress: bool = True, data: torch.Tensor | None = None) -> dict[str, EvalResult]:
@@ -72,25 +97,10 @@ def evaluate_many(models: dict, tokenizer, source: str = "wikitext2", seqlen: in
     everyone = dict(models, **({_REF: reference} if reference is not None else {}))
     scores = {name: _Score() for name in everyone}
     heads = {name: _head(m) for name, m in everyone.items()}
-    for window in tqdm(data, desc="evaluating", unit="window", disable=not progress):
-        hidden = {}
-        for name, m in everyone.items():
-            ids = window.unsqueeze(0).to(next(m.parameters()).device)
-            hidden[name] = m.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, :-1]
-        targets = window[1:]
-        chunk = max(1, (1 << 26) // max(vocab for _, vocab in heads.values()))
-        for start in range(0, len(targets), chunk):
-            t = targets[start : start + chunk, None]
-            logps = {name: torch.log_softmax(heads[name][0](h[start : start + chunk]), -1).cpu()
-                     for name, h in hidden.items()}
-            ref = logps.get(_REF)
-            for name, logp in logps.items():
-                sc = scores[name]
-                sc.nll -= logp.gather(1, t).sum().item()
-                sc.count += t.shape[0]
-                if ref is not None and name != _REF:
-                    sc.kl += (ref.exp() * (ref - logp)).sum().item()
-                    sc.agree += (ref.argmax(-1) == logp.argmax(-1)).sum().item()
+    with contextlib.ExitStack() as stack:
+        for m in everyone.values():
+            stack.enter_context(kvcache.simulating(m))  # a quantized KV cache, as a decoder would see it
+        _score_windows(data, everyone, heads, scores, progress)
     protocol = f"{describe_source(source, 'test')}, {windows} × {seqlen} tokens"
     ref_ppl = math.exp(scores[_REF].nll / scores[_REF].count) if reference is not None else None
     out = {}

@@ -35,8 +35,8 @@ def dead_columns(H: torch.Tensor) -> torch.Tensor:
     return torch.diag(H) == 0
 
 
-def inverse_cholesky(H: torch.Tensor, percdamp: float, name: str, tries: int = 6) -> torch.Tensor:
-    """Upper Cholesky factor of ``(H + λI)⁻¹`` with ``λ = percdamp · mean(diag H)``.
+def dampened_cholesky(H: torch.Tensor, percdamp: float, name: str, tries: int = 6) -> torch.Tensor | None:
+    """Lower Cholesky factor of ``H + λI``, ``λ = percdamp · mean(diag H)``, or None if it never factors.
 
     Dead channels get a unit diagonal first. If the factorisation fails, λ grows
     tenfold per try (warned, naming ``name``).
@@ -47,17 +47,22 @@ def inverse_cholesky(H: torch.Tensor, percdamp: float, name: str, tries: int = 6
     mean_diag = torch.mean(torch.diag(H)).item()
     damp = percdamp
     for attempt in range(tries):
-        Hd = H + damp * mean_diag * torch.eye(H.shape[0], device=H.device)
-        L, info = torch.linalg.cholesky_ex(Hd)
-        if info == 0:
-            Hinv = torch.cholesky_inverse(L)
-            U, info = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if info == 0 and torch.isfinite(U).all():
-                if attempt:
-                    warnings.warn(f"{name}: Hessian not positive definite; dampening raised to {damp:g}",
-                                  stacklevel=2)
-                return U
+        L, info = torch.linalg.cholesky_ex(H + damp * mean_diag * torch.eye(H.shape[0], device=H.device))
+        if info == 0 and torch.isfinite(L).all():
+            if attempt:
+                warnings.warn(f"{name}: Hessian not positive definite; dampening raised to {damp:g}", stacklevel=3)
+            return L
         damp = damp * 10 if damp > 0 else 1e-3
+    return None
+
+
+def inverse_cholesky(H: torch.Tensor, percdamp: float, name: str) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + λI)⁻¹``, the matrix OBS-style updates read."""
+    L = dampened_cholesky(H, percdamp, name)
+    if L is not None:
+        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+        if info == 0 and torch.isfinite(U).all():
+            return U
     # Last resort: keep only the diagonal. GPTQ then spreads no error: round-to-nearest for this layer.
     warnings.warn(f"{name}: Hessian could not be factorised; using its diagonal (no error feedback)", stacklevel=2)
     return torch.diag(torch.diag(H).clamp(min=1e-8).rsqrt())

@@ -9,6 +9,7 @@ runs remote code unless the user asks for it.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import socket
@@ -17,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from . import kvcache, lowrank
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -97,10 +100,14 @@ def resolve(source: str) -> Path | str:
 
 
 def _dequantize_on_load(where) -> dict:
-    """compressed-tensors checkpoints (ours): unpack to plain weights at load, so that every
-    entry point (the decoder alone, our block sweep) sees ordinary linears."""
+    """compressed-tensors checkpoints (ours): unpack weight-only layouts to plain weights at load,
+    so that every entry point (the decoder alone, our block sweep) sees ordinary linears.
+    W8A8 (``int-quantized``) loads as transformers loads it: its linears then quantize their
+    inputs as compressed-tensors does, which is exactly what we evaluated."""
     config = Path(where) / "config.json" if isinstance(where, Path) else None
     if config is None or "compressed-tensors" not in config.read_text():
+        return {}
+    if json.loads(config.read_text())["quantization_config"].get("format") == "int-quantized":
         return {}
     from transformers import CompressedTensorsConfig
 
@@ -119,17 +126,14 @@ def _hub_reachable(host: str = "huggingface.co") -> bool:
 
 
 def load(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False) -> Loaded:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     where = resolve(source)
     local_only = isinstance(where, Path) or not _hub_reachable()
     try:
         tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
                                                   local_files_only=local_only)
-        model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, local_files_only=local_only,
-            **_dequantize_on_load(where),
-        )
+        model = load_model(where, dtype, trust_remote_code, local_only)
     except OSError as e:
         if isinstance(where, Path):
             raise ModelLoadError(f"could not load {where}: {str(e).splitlines()[0]}") from None
@@ -137,8 +141,58 @@ def load(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust
             f"could not load {source!r}: it is not a local folder, and the hub is unreachable (offline?) "
             f"or has no such model; pass a local Hugging Face folder or an alias ({', '.join(ALIASES)}) with --model"
         ) from None
-    model.eval()
     return Loaded(model, tokenizer)
+
+
+def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = False, local_only: bool = True):
+    """The model alone, in eval mode: factored exports rebuilt, an exported adapter merged."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(where, Path) and lowrank.CONFIG_KEY in json.loads((where / "config.json").read_text()):
+        model = _load_factored(where, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, local_files_only=local_only,
+            **_dequantize_on_load(where),
+        )
+    if isinstance(where, Path) and (where / "adapter" / "adapter_config.json").exists():
+        model = _merge_adapter(model, where / "adapter")
+    if (kv := getattr(model.config, kvcache.CONFIG_KEY, None)) is not None:
+        kv = {k: v for k, v in kv.items() if k != "method"}
+        kvcache.install(model, kv)
+    return model.eval()
+
+
+def _merge_adapter(model, adapter: Path):
+    """A LoRA adapter exported beside the weights (LoRC, QLoRA), merged into them with peft."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
+
+
+def _load_factored(where: Path, dtype: torch.dtype):
+    """An export with factored layers: build the model from its config, put ``Factored`` pairs in
+    place of the listed linears, then load the safetensors state dict (strictly, ties aside)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    config = AutoConfig.from_pretrained(where)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    lowrank.install(model, getattr(config, lowrank.CONFIG_KEY))
+    state = {}
+    for shard in sorted(where.glob("*.safetensors")):
+        state.update(load_file(shard))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    current = model.state_dict()
+    loaded = {current[k].data_ptr() for k in state if k in current}
+    missing = [k for k in missing if current[k].data_ptr() not in loaded]  # tied to a loaded tensor: fine
+    if missing or unexpected:
+        raise ModelLoadError(f"{where}: factored checkpoint does not match its config "
+                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+    if (where / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(where)
+    return model
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -8,6 +8,7 @@ current block and one set of activations need to sit on the compute device.
 
 from __future__ import annotations
 
+import copy
 from typing import Callable
 
 import torch
@@ -102,10 +103,12 @@ def capture_inputs(model, ids: torch.Tensor, device: torch.device, dtype: torch.
 class BlockData:
     """One block's calibration inputs and call arguments; runs the block over them."""
 
-    def __init__(self, block: torch.nn.Module, inputs: list[torch.Tensor], call: tuple):
+    def __init__(self, block: torch.nn.Module, inputs: list[torch.Tensor], call: tuple,
+                 original: torch.nn.Module | None = None):
         self.block = block
         self.inputs = inputs
         self.args, self.kwargs = call
+        self.original = original  # the block before any pass touched it, for passes with needs_original
 
     @torch.no_grad()
     def forward(self, hooks: dict[str, Callable] | None = None, stop_at: str | None = None) -> list[torch.Tensor]:
@@ -168,11 +171,15 @@ def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device
     home, storage = next(layers[0].parameters()).device, model.dtype
     dtype = compute_dtype(device, storage)
     inputs, calls = capture_inputs(model, ids, device, dtype) if ids is not None else (None, None)
+    keep_original = any(getattr(p, "needs_original", False) for p in passes)
     for i, block in enumerate(tqdm(layers, desc="compressing blocks", unit="block")):
         cast_params(block, device, dtype)
-        data = BlockData(block, inputs, calls[i]) if inputs is not None else None
+        original = copy.deepcopy(block) if keep_original else None
+        data = None
+        if inputs is not None or keep_original:  # without calibration data, only ``original`` is there
+            data = BlockData(block, inputs or [], calls[i] if calls else ((), {}), original)
         for p in passes:
             p.apply(block, data, f"{prefix}{i}.")
-        if data is not None and i + 1 < len(layers):
+        if inputs is not None and i + 1 < len(layers):
             inputs = data.forward()  # the next block sees what the compressed block produces
         cast_params(block, home, storage)

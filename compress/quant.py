@@ -131,3 +131,38 @@ def attach(linear: torch.nn.Linear, qw: QuantizedWeight) -> None:
 
 def quantized_of(linear: torch.nn.Module) -> QuantizedWeight | None:
     return getattr(linear, "quantized", None)
+
+
+@dataclass(frozen=True)
+class ActivationScheme:
+    """Dynamic symmetric integer activations: a scale per token (row), or one per tensor."""
+
+    bits: int = 8
+    per_token: bool = True
+
+    def describe(self) -> str:
+        return f"A{self.bits} {'per-token' if self.per_token else 'per-tensor'} dynamic"
+
+
+def fake_quantize_activation(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
+    """What an int8 matmul would see of ``x``: rounded with a scale from its current max |x|
+    (the compressed-tensors convention: ``scale = max|x| / ((2^b - 1) / 2)``)."""
+    qmax = 2 ** (scheme.bits - 1) - 1
+    amax = x.abs().amax(-1, keepdim=True) if scheme.per_token else x.abs().amax()
+    scale = (amax.float() / ((2**scheme.bits - 1) / 2)).clamp(min=1e-8)
+    return (torch.round(x.float() / scale).clamp(-qmax - 1, qmax) * scale).to(x.dtype)
+
+
+def _quantize_input(module: torch.nn.Module, args: tuple):
+    return (fake_quantize_activation(args[0], module.input_quant), *args[1:])
+
+
+def quantize_inputs(linear: torch.nn.Linear, scheme: ActivationScheme) -> None:
+    """From now on ``linear`` sees its input as the integer kernel would (a pre-hook, once)."""
+    if getattr(linear, "input_quant", None) is None:
+        linear.register_forward_pre_hook(_quantize_input)
+    linear.input_quant = scheme
+
+
+def input_quant_of(linear: torch.nn.Module) -> ActivationScheme | None:
+    return getattr(linear, "input_quant", None)

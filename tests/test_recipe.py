@@ -6,7 +6,7 @@ from tests.conftest import tiny
 
 
 @pytest.mark.parametrize("text,message", [
-    ("passes:\n  - foo: {}\n", "passes[0]: unknown pass 'foo'; known passes: awq, gptq, magnitude, rtn, sparsegpt, wanda"),
+    ("passes:\n  - foo: {}\n", "passes[0]: unknown pass 'foo'; known passes: awq, gptq, kv_cache, lorc, lowrank, magnitude, rtn, smoothquant, sparsegpt, wanda"),
     ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits: Input should be 2, 3, 4 or 8"),
     ("passes:\n  - rtn: {bitz: 4}\n", "passes[0].rtn.bitz: unknown key"),
     ("passes:\n  - rtn: {group_size: 0}\n", "passes[0].rtn.group_size"),
@@ -50,3 +50,12 @@ def test_every_shipped_recipe_parses_and_has_a_summary():
     for name, summary in names:
         assert summary, name
         load(name)
+
+
+def test_every_shipped_recipe_parses():
+    from compress.recipe import RECIPES_DIR, load
+
+    names = [name for name, _ in shipped()]
+    assert len(names) > 20
+    for name in names:
+        assert load(RECIPES_DIR / f"{name}.yaml").passes, name

@@ -3,11 +3,16 @@
 from .awq import AWQ
 from .base import LayerPass, RecipeError
 from .gptq import GPTQ
+from .kv_cache import KVCachePass
+from .lorc import LoRC
+from .lowrank import LowRank
 from .magnitude import Magnitude
 from .rtn import RTN
+from .smoothquant import SmoothQuant
 from .sparsegpt import SparseGPT
 from .wanda import Wanda
 
-REGISTRY: dict[str, type[LayerPass]] = {cls.name: cls for cls in (RTN, GPTQ, AWQ, Magnitude, Wanda, SparseGPT)}
+PASSES = (RTN, GPTQ, AWQ, Magnitude, Wanda, SparseGPT, LowRank, LoRC, SmoothQuant, KVCachePass)
+REGISTRY: dict[str, type[LayerPass]] = {cls.name: cls for cls in PASSES}
 
 __all__ = ["REGISTRY", "LayerPass", "RecipeError"]

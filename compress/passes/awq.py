@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ..arch import Scaling, decoder_layers
+from ..arch import Scaling, foldable_scalings
 from ..quant import QuantScheme, attach, compute_qparams, dequantize, fake_quantize, quantize, quantize_weight
 from .base import RecipeError, WeightQuantOptions, WeightQuantPass
 
@@ -106,15 +106,16 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, grid: int
     rows, cols = w.shape
     gs = cols if scheme.group_size == -1 else scheme.group_size
     W = w.float().reshape(rows, cols // gs, gs)
-    xs = x[torch.linspace(0, x.shape[0] - 1, min(tokens, x.shape[0])).long()].reshape(-1, cols // gs, gs)
+    pick = torch.linspace(0, x.shape[0] - 1, min(tokens, x.shape[0])).long()
+    xs = x[pick.to(x.device)].to(W.device, torch.float32).reshape(-1, cols // gs, gs)
     reference = torch.einsum("ngk,rgk->nrg", xs, W)
     wmax, wmin = W.amax(-1, keepdim=True), W.amin(-1, keepdim=True)
     if scheme.symmetric:
         wmax = torch.maximum(wmax, -wmin)
         wmin = -wmax
     group_scheme = QuantScheme(scheme.bits, gs, scheme.symmetric)
-    best_err = torch.full((rows, cols // gs), float("inf"))
-    best_ratio = torch.ones(rows, cols // gs)
+    best_err = torch.full((rows, cols // gs), float("inf"), device=W.device)
+    best_ratio = torch.ones(rows, cols // gs, device=W.device)
     for i in range(int(max_shrink * grid)):
         ratio = 1 - i / grid
         clipped = W.clamp(wmin * ratio, wmax * ratio).reshape(rows, cols)
@@ -133,13 +134,7 @@ class AWQ(WeightQuantPass):
 
     def check(self, model) -> None:
         super().check(model)
-        block = decoder_layers(model)[0]
-        self.mappings = []
-        for m in self.arch.scalings:
-            prev = block.get_submodule(m.prev)
-            width = prev.out_features if isinstance(prev, torch.nn.Linear) else prev.weight.shape[0]
-            if all(block.get_submodule(n).in_features == width for n in m.linears):
-                self.mappings.append(m)  # v -> o is skipped under grouped-query attention
+        self.mappings = foldable_scalings(model)
         if not self.mappings:
             raise RecipeError(f"{self.where}: no scaling mapping fits {self.arch.name}; AWQ would do nothing")
 

@@ -1,0 +1,241 @@
+"""KV-cache quantization after KIVI (Liu et al. 2024): keys per channel, values per token.
+
+Keys have outlier *channels*, so each key channel gets its own scale and minimum over a
+group of ``group_size`` tokens; values are quantized per token, in groups of ``group_size``
+channels. Both are asymmetric (``x ≈ code · scale + minimum``). The most recent tokens stay
+in full precision (the residual window): a group of keys can only be quantized once all
+its tokens exist, and recent tokens matter most. Every ``residual`` tokens the window is
+quantized as one chunk and emptied; ``residual: 0`` quantizes every token at once (keys
+then per token, like values), the baseline KIVI improves on.
+
+Two ways to run it, which see the same numbers:
+
+- ``KIVICache``, a transformers ``Cache`` for ``generate`` and our decoder: it stores the
+  codes, scales and minima, and hands attention the dequantized prefix plus the window.
+- ``simulating(model)``, for perplexity over whole windows: an attention function in which
+  query ``i`` reads key ``j`` quantized exactly when a decoder would hold it quantized at
+  step ``i`` — ``j < residual·⌊i/residual⌋`` (``j < i`` without a window).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict, dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+CONFIG_KEY = "compress_kv_cache"
+ATTENTION = "compress_kivi_simulation"
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    bits: int = 4
+    group_size: int = 32  # keys: tokens sharing a per-channel scale; values: channels sharing a per-token scale
+    residual: int = 128  # recent tokens kept in full precision; a multiple of group_size, or 0
+
+    def __post_init__(self):
+        if self.bits not in (2, 4, 8):
+            raise ValueError(f"KV-cache bits must be 2, 4 or 8, got {self.bits}")
+        if self.group_size <= 0 or self.residual < 0 or self.residual % self.group_size:
+            raise ValueError(f"residual ({self.residual}) must be 0 or a multiple of group_size ({self.group_size})")
+
+    def quantized_before(self, step: int) -> int:
+        """How many of the tokens before ``step`` a decoder holds quantized when it attends at ``step``."""
+        return step if self.residual == 0 else self.residual * (step // self.residual)
+
+    def bytes_per_token(self, layers: int, kv_heads: int, head_dim: int, float_bytes: int = 2) -> float:
+        """Quantized K and V of one token, scales and minima (``float_bytes`` each) included."""
+        codes = 2 * head_dim * self.bits / 8
+        # per-channel keys: a scale and a minimum per channel per group_size tokens; per-token
+        # values (and keys without a window): one pair per group_size channels. Both come to:
+        scales = 2 * head_dim * 2 * float_bytes / self.group_size
+        return layers * kv_heads * (codes + scales)
+
+    def describe(self) -> str:
+        window = f"residual {self.residual}" if self.residual else "no residual"
+        return f"KV INT{self.bits} g{self.group_size} {window}"
+
+
+def dense_bytes_per_token(layers: int, kv_heads: int, head_dim: int, float_bytes: int = 2) -> int:
+    return layers * kv_heads * 2 * head_dim * float_bytes
+
+
+def _minmax(x: torch.Tensor, dim: int, bits: int):
+    """Asymmetric codes over ``dim`` (kept): ``x ≈ codes · scale + minimum``, error ≤ scale / 2."""
+    lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
+    scale = ((hi - lo) / (2**bits - 1)).clamp(min=1e-8)
+    codes = torch.round((x - lo) / scale).clamp(0, 2**bits - 1).to(torch.uint8)
+    return codes, scale.to(x.dtype), lo
+
+
+def _groups_of_channels(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x.reshape(*x.shape[:-1], x.shape[-1] // group, group)
+
+
+def quantize_keys(k: torch.Tensor, s: KVScheme):
+    """``k`` (batch, heads, tokens, dim), tokens a multiple of ``group_size`` (per channel) unless no window."""
+    if s.residual == 0:
+        return _minmax(_groups_of_channels(k, s.group_size), -1, s.bits)
+    b, h, n, d = k.shape
+    return _minmax(k.reshape(b, h, n // s.group_size, s.group_size, d), -2, s.bits)
+
+
+def quantize_values(v: torch.Tensor, s: KVScheme):
+    return _minmax(_groups_of_channels(v, s.group_size), -1, s.bits)
+
+
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, shape) -> torch.Tensor:
+    return (codes.to(scale.dtype) * scale + minimum).reshape(shape)
+
+
+def round_trip(k: torch.Tensor, v: torch.Tensor, s: KVScheme) -> tuple[torch.Tensor, torch.Tensor]:
+    return dequantize(*quantize_keys(k, s), k.shape), dequantize(*quantize_values(v, s), v.shape)
+
+
+class KIVILayer(DynamicLayer):
+    """One layer's cache: quantized chunks (codes, scales, minima) and a full-precision window
+    (``self.keys`` / ``self.values``, as in ``DynamicLayer``)."""
+
+    def __init__(self, scheme: KVScheme):
+        super().__init__()
+        self.scheme = scheme
+        self.chunks: list[tuple[tuple, tuple, torch.Size]] = []  # (key codes, value codes, chunk shape)
+        self.quantized_tokens = 0
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        keys, values = self._dequantized()
+        keys, values = torch.cat([keys, self.keys], dim=-2), torch.cat([values, self.values], dim=-2)
+        self._flush()  # after attention has read this step's own keys: as quantized_before() says
+        return keys, values
+
+    def _flush(self) -> None:
+        s = self.scheme
+        n = self.keys.shape[-2] if s.residual == 0 else s.residual * (self.keys.shape[-2] // s.residual)
+        if n == 0:
+            return
+        k, v = self.keys[..., :n, :], self.values[..., :n, :]
+        self.chunks.append((quantize_keys(k, s), quantize_values(v, s), k.shape))
+        self.keys, self.values = self.keys[..., n:, :], self.values[..., n:, :]
+        self.quantized_tokens += n
+
+    def _dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        empty = self.keys[..., :0, :]
+        if not self.chunks:
+            return empty, self.values[..., :0, :]
+        keys = [dequantize(*qk, shape) for qk, _, shape in self.chunks]
+        values = [dequantize(*qv, shape) for _, qv, shape in self.chunks]
+        return torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
+
+    def get_seq_length(self) -> int:
+        return self.quantized_tokens + (self.keys.shape[-2] if self.is_initialized else 0)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove tokens from the end; only the full-precision window can be rolled back."""
+        n = abs(tokens_to_remove)
+        if n and self.is_initialized:
+            if n > self.keys.shape[-2]:
+                raise ValueError(f"cannot roll back {n} tokens: only the {self.keys.shape[-2]} in the "
+                                 "full-precision window can be; use a larger residual")
+            self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
+
+
+class KIVICache(Cache):
+    """``model.generate(..., past_key_values=KIVICache(scheme, model.config.num_hidden_layers))``."""
+
+    def __init__(self, scheme: KVScheme, num_layers: int):
+        super().__init__(layers=[KIVILayer(scheme) for _ in range(num_layers)])
+
+
+def _simulated_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention in which each query reads earlier keys and values quantized as a KIVI
+    decoder would hold them at that step (see the module docstring)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    s: KVScheme = module.kv_scheme
+    n, q_len = key.shape[-2], query.shape[-2]
+    chunked = n if s.residual == 0 else s.residual * (n // s.residual)
+    kq, vq = key.clone(), value.clone()
+    if chunked:
+        kq[..., :chunked, :], vq[..., :chunked, :] = round_trip(key[..., :chunked, :], value[..., :chunked, :], s)
+    steps = torch.arange(n - q_len, n, device=query.device)
+    bound = steps if s.residual == 0 else s.residual * torch.div(steps, s.residual, rounding_mode="floor")
+    quantized = torch.arange(n, device=query.device)[None, :] < bound[:, None]  # (queries, keys)
+    groups = module.num_key_value_groups
+    full = torch.matmul(query, repeat_kv(key, groups).transpose(2, 3))
+    approx = torch.matmul(query, repeat_kv(kq, groups).transpose(2, 3))
+    scores = torch.where(quantized, approx, full) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask[..., :n]
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs * quantized, repeat_kv(vq, groups)) + torch.matmul(probs * ~quantized,
+                                                                                repeat_kv(value, groups))
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTENTION, _simulated_attention)
+    AttentionMaskInterface.register(ATTENTION, eager_mask)
+
+
+def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+
+
+def scheme_of(model: torch.nn.Module) -> KVScheme | None:
+    schemes = {getattr(m, "kv_scheme", None) for m in attention_modules(model)} - {None}
+    if len(schemes) > 1:
+        raise ValueError("different KV-cache schemes per layer are not supported")
+    return schemes.pop() if schemes else None
+
+
+def install(model: torch.nn.Module, scheme: KVScheme | dict) -> None:
+    """Mark every attention module of ``model`` with the scheme (after load, from the config)."""
+    scheme = scheme if isinstance(scheme, KVScheme) else KVScheme(**scheme)
+    for m in attention_modules(model):
+        m.kv_scheme = scheme
+
+
+def config_entry(scheme: KVScheme) -> dict:
+    return {"method": "kivi", **asdict(scheme)}
+
+
+@contextlib.contextmanager
+def simulating(model: torch.nn.Module):
+    """Run full-window forwards as a KIVI decoder would see them (no-op without a scheme)."""
+    if scheme_of(model) is None:
+        yield model
+        return
+    _register()
+    before = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+
+
+def cache_dims(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dimension) of a model config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_key_value_heads, head_dim
+
+
+def bytes_per_token(model: torch.nn.Module) -> float | None:
+    """KV-cache bytes per token of ``model``'s scheme (None without one), 16-bit scales."""
+    scheme = scheme_of(model)
+    return None if scheme is None else scheme.bytes_per_token(*cache_dims(model.config))
+
+
+def new_cache(model: torch.nn.Module) -> Cache | None:
+    """The cache ``generate`` should use for ``model``: a KIVICache when it carries a scheme."""
+    scheme = scheme_of(model)
+    return None if scheme is None else KIVICache(scheme, model.config.num_hidden_layers)

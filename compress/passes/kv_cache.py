@@ -1,0 +1,51 @@
+"""KV-cache quantization (KIVI): marks every attention with the scheme; no weight changes.
+
+Evaluation then simulates a decoder's quantized cache, the export records the scheme under
+``compress_kv_cache`` in config.json, and ``compress.kvcache.new_cache`` builds the cache
+for ``generate``. The math is in ``compress/kvcache.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from ..arch import decoder_layers
+from ..kvcache import KVScheme, attention_modules
+from .base import LayerPass, PassOptions, RecipeError
+
+
+class KVCacheOptions(PassOptions):
+    bits: Literal[2, 4, 8] = 4
+    group_size: int = Field(32, gt=0)
+    residual: int = Field(128, ge=0)  # recent tokens in full precision: 0, or a multiple of group_size
+
+
+class KVCachePass(LayerPass):
+    name = "kv_cache"
+    Options = KVCacheOptions
+    needs_data = False
+
+    def __init__(self, options, where):
+        super().__init__(options, where)
+        try:
+            self.scheme = KVScheme(options.bits, options.group_size, options.residual)
+        except ValueError as e:
+            raise RecipeError(f"{where}: {e}") from None
+
+    def check(self, model) -> None:
+        attention = attention_modules(decoder_layers(model)[0])
+        if not attention:
+            raise RecipeError(f"{self.where}: no attention module found in {type(model).__name__}'s blocks")
+        head_dim = attention[0].head_dim
+        if head_dim % self.scheme.group_size:
+            raise RecipeError(f"{self.where}.group_size: {self.scheme.group_size} does not divide the head "
+                              f"dimension {head_dim}; use a divisor of it")
+
+    def apply(self, block, data, prefix: str) -> None:
+        for attention in attention_modules(block):
+            attention.kv_scheme = self.scheme
+
+    def summary(self) -> str:
+        return self.scheme.describe()

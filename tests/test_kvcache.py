@@ -1,0 +1,104 @@
+"""KIVI KV-cache quantization: error bounds, the residual window, and an evaluation that
+sees exactly what a decoder with the quantized cache sees."""
+
+import pytest
+import torch
+
+from compress import kvcache, models
+from compress.kvcache import KIVICache, KIVILayer, KVScheme, quantize_keys, quantize_values
+from compress.passes import RecipeError
+from compress.recipe import parse
+from tests.conftest import _NoTokenizer, compress_with, tiny
+
+KV = torch.randn(2, 3, 64, 32, generator=torch.Generator().manual_seed(0)) * torch.linspace(0.1, 5, 32)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("residual", [0, 32])
+def test_round_trip_error_within_half_a_step(bits, residual):
+    s = KVScheme(bits, 16, residual)
+    for quantize, grouped in ((quantize_keys, -2 if residual else -1), (quantize_values, -1)):
+        codes, scale, minimum = quantize(KV, s)
+        restored = kvcache.dequantize(codes, scale, minimum, KV.shape)
+        step = scale.expand(codes.shape).reshape(KV.shape)  # each element's own group step
+        assert ((restored - KV).abs() <= step / 2 + 1e-5).all()
+        assert codes.max() <= 2**bits - 1
+        assert scale.shape[grouped] == 1  # one scale per group along the grouped axis
+
+
+def test_keys_are_grouped_per_channel_and_values_per_token():
+    s = KVScheme(4, 16, 32)
+    _, k_scale, _ = quantize_keys(KV, s)
+    _, v_scale, _ = quantize_values(KV, s)
+    assert k_scale.shape == (2, 3, 64 // 16, 1, 32)  # per channel, per 16 tokens
+    assert v_scale.shape == (2, 3, 64, 32 // 16, 1)  # per token, per 16 channels
+
+
+def test_residual_window_stays_full_precision():
+    s = KVScheme(2, 8, 16)
+    layer = KIVILayer(s)
+    k, v = KV[:, :, :40, :16], KV[:, :, :40, 16:]
+    layer.update(k[:, :, :21], v[:, :, :21])  # a prefill of 21: 16 quantized, 5 in the window
+    for t in range(21, 40):
+        keys, values = layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
+        held = s.quantized_before(t + 1)  # after this step
+        window = t + 1 - held
+        assert torch.equal(layer.keys, k[:, :, held : t + 1]) and layer.keys.shape[-2] == window
+        start = s.quantized_before(t)  # what this step's attention read in full precision
+        assert torch.equal(keys[:, :, start:], k[:, :, start : t + 1])
+        assert torch.equal(values[:, :, start:], v[:, :, start : t + 1])
+        assert not torch.equal(keys[:, :, :start], k[:, :, :start])
+    assert layer.get_seq_length() == 40
+
+
+def test_bytes_per_token_counts_codes_scales_and_minima():
+    s = KVScheme(4, 16, 32)
+    k = KV[:1, :1]  # one layer, one head: 64 tokens × 32 dims
+    stored = 0
+    for quantize in (quantize_keys, quantize_values):
+        codes, scale, minimum = quantize(k, s)
+        stored += codes.numel() * s.bits / 8 + (scale.numel() + minimum.numel()) * 2  # fp16 scales
+    assert s.bytes_per_token(layers=1, kv_heads=1, head_dim=32) == pytest.approx(stored / 64)
+    assert kvcache.dense_bytes_per_token(1, 1, 32) == 2 * 32 * 2
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("scheme", [KVScheme(2, 16, 32), KVScheme(2, 16, 0), KVScheme(4, 16, 16)])
+def test_simulated_evaluation_equals_decoding_with_the_cache(model_type, scheme):
+    """One full-window forward under ``simulating`` gives the logits that token-by-token
+    decoding with ``KIVICache`` gives (Gemma-3: sliding and global layers)."""
+    model = tiny(model_type)
+    kvcache.install(model, scheme)
+    ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with kvcache.simulating(model):
+            simulated = model(ids, use_cache=False).logits
+        cache = KIVICache(scheme, model.config.num_hidden_layers)
+        decoded = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(80)], 1)
+        dense = model(ids).logits
+    torch.testing.assert_close(simulated, decoded, atol=2e-6, rtol=0)
+    assert (simulated - dense).abs().max() > 1e-3  # the cache is really quantized
+    assert model.config._attn_implementation != kvcache.ATTENTION  # restored after the evaluation
+
+
+def test_scheme_is_exported_and_reinstalled(tmp_path):
+    from compress.export import export
+
+    model = tiny("llama")
+    recipe = compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n  - kv_cache: {bits: 2, group_size: 16}\n")
+    out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
+    reloaded = models.load_model(out, torch.float32)
+    assert reloaded.config.compress_kv_cache == {"method": "kivi", "bits": 2, "group_size": 16, "residual": 128}
+    assert kvcache.scheme_of(reloaded) == KVScheme(2, 16, 128)
+    assert isinstance(kvcache.new_cache(reloaded), KIVICache)
+
+
+@pytest.mark.parametrize("passes,message", [
+    ("  - kv_cache: {group_size: 12, residual: 0}\n", r"passes\[0\].kv_cache.group_size: 12 does not divide the head dimension 16"),
+    ("  - kv_cache: {group_size: 16, residual: 20}\n", r"passes\[0\].kv_cache: residual \(20\) must be 0 or a multiple"),
+    ("  - kv_cache: {bits: 3}\n", r"passes\[0\].kv_cache.bits"),
+])
+def test_bad_kv_options_are_refused(passes, message):
+    with pytest.raises(RecipeError, match=message):
+        recipe = parse("passes:\n" + passes)
+        recipe.passes[0].check(tiny("llama"))
