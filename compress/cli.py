@@ -1,4 +1,4 @@
-"""Command line: ``compress apply | eval | recipes``.
+"""Command line: ``compress apply | eval | decode | recipes``.
 
 Expected failures (bad recipe, missing model, offline hub, existing output) print
 one line saying what to change and exit with status 2; nothing is written.
@@ -14,11 +14,12 @@ from pathlib import Path
 
 from .arch import UnknownArchitecture
 from .data import DataError
+from .decode import DecodeError
 from .export import MANIFEST, ExportError
 from .models import DEFAULT_MODEL, ModelLoadError
 from .passes import RecipeError
 
-USER_ERRORS = (RecipeError, ModelLoadError, DataError, ExportError, UnknownArchitecture)
+USER_ERRORS = (RecipeError, ModelLoadError, DataError, ExportError, UnknownArchitecture, DecodeError)
 
 
 def _apply(args) -> None:
@@ -58,6 +59,46 @@ def _eval(args) -> None:
     if ref_model is not None:
         print(f"reference perplexity: {result.ref_ppl:.4f}    KL: {result.kl:.5f} nats/token    "
               f"top-1 agreement: {result.top1:.4f}")
+
+
+def _decode(args) -> None:
+    import torch
+
+    from . import decode, kvcache, models
+
+    device = models.pick_device(args.device)
+    loaded = models.load(args.model, models.parse_dtype(args.dtype))
+    model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
+    if args.raw or tokenizer.chat_template is None:
+        prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    else:
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)["input_ids"]
+    prompt = prompt.to(device)
+    eos = model.generation_config.eos_token_id
+    eos = set([eos] if isinstance(eos, int) else eos or [])
+    sampling = decode.Sampling(args.temperature, args.top_p, args.seed)
+    cache = kvcache.new_cache(model)
+    if args.method == "greedy":
+        if not sampling.greedy:
+            raise decode.DecodeError("--method greedy takes no --temperature; use prompt-lookup or draft to sample")
+        result = decode.greedy(model, prompt, args.max_new_tokens, eos, cache=cache)
+    else:
+        if cache is not None:
+            raise decode.DecodeError(f"{args.model} has a quantized KV cache; speculative methods cannot roll it back "
+                             "yet: use --method greedy")
+        if args.method == "draft":
+            if not args.draft:
+                raise decode.DecodeError("--method draft needs --draft MODEL (same tokenizer)")
+            draft = models.for_compute(models.load(args.draft, models.parse_dtype(args.dtype)).model, device)
+            proposer = decode.DraftModel(draft, args.threshold, sampling)
+        else:
+            proposer = decode.PromptLookup()
+        result = decode.speculate(model, prompt, args.max_new_tokens, proposer, args.k, sampling, eos)
+    print(tokenizer.decode(result.tokens, skip_special_tokens=True))
+    print(f"\n[{args.method}: {len(result.tokens)} tokens in {result.seconds:.2f} s, "
+          f"{len(result.tokens) / result.seconds:.1f} tokens/s, {result.tokens_per_forward:.2f} tokens per "
+          f"target forward, on {device}]", file=sys.stderr)
 
 
 def _recipes(args) -> None:
@@ -100,6 +141,22 @@ def build_parser() -> argparse.ArgumentParser:
                                        "model; 'none' to skip)")
     common(p)
     p.set_defaults(func=_eval)
+
+    p = sub.add_parser("decode", help="generate from a model or export; greedy or speculative")
+    p.add_argument("model", help="exported folder, local HF folder or alias")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--method", choices=["greedy", "prompt-lookup", "draft"], default="prompt-lookup",
+                   help="all are lossless: greedy output, or the target's sampling distribution")
+    p.add_argument("--draft", help="draft model for --method draft (e.g. a compressed export of the same model)")
+    p.add_argument("--k", type=int, default=8, help="most candidates verified per target forward")
+    p.add_argument("--threshold", type=float, default=0.4, help="draft model: stop drafting below this probability")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    common(p)
+    p.set_defaults(func=_decode)
 
     p = sub.add_parser("recipes", help="list the shipped recipes")
     p.set_defaults(func=_recipes)

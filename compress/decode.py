@@ -1,0 +1,227 @@
+"""The decoder: plain greedy decoding, and one propose–verify loop for every speculative method.
+
+Each step of ``speculate`` takes the token the target already chose, asks a proposer for up
+to ``k`` candidates after it, and scores all of them in one target forward with the KV
+cache. Greedy keeps the longest prefix the target agrees with, so the output is the target's
+own greedy output; sampling uses the speculative rejection rule (Leviathan et al. 2023, Chen
+et al. 2023), so the output distribution is the target's. The cache is then cropped back
+past the rejected candidates, and the target's distribution after the last kept token picks
+the next token (the "bonus" token): every target forward yields at least one token.
+
+Proposers (``propose(context, k) -> (tokens, draft probabilities or None)``):
+
+- ``PromptLookup``: the continuation of the latest earlier occurrence of the last n-gram.
+- ``DraftModel``: a smaller model with the same tokenizer (a compressed checkpoint of the
+  target works), drafting greedily while it is confident.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+
+class DecodeError(ValueError):
+    """A decoding request that cannot run as asked; the message says what to change."""
+
+
+@dataclass
+class Sampling:
+    """``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution tokens are drawn from: softmax(logits / T), cut to the top-p nucleus."""
+        p = torch.softmax(logits.float() / self.temperature, -1)
+        if self.top_p < 1:
+            sorted_p, order = p.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p >= self.top_p  # keep the smallest set reaching top_p
+            sorted_p[drop] = 0
+            p = torch.zeros_like(p).scatter(-1, order, sorted_p)
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # the new tokens
+    forwards: int  # target forward passes, the prompt's included
+    seconds: float
+    proposed: int = 0
+    accepted: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """New tokens per target forward after the prompt's (1.0 for plain decoding)."""
+        return len(self.tokens) / max(1, self.forwards - 1)
+
+
+def _forward(model, ids: list[int] | torch.Tensor, cache, device, all_logits: bool = True) -> torch.Tensor:
+    ids = torch.as_tensor(ids, device=device).reshape(1, -1)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+    return out.logits[0].float()
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos: set[int] = frozenset(), cache=None) -> DecodeResult:
+    """One token per forward, with the KV cache: the baseline every method is measured against."""
+    device, start = _device(model), time.perf_counter()
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    logits = _forward(model, prompt, cache, device, all_logits=False)[-1]
+    tokens, forwards = [], 1
+    while True:
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in eos or len(tokens) >= max_new_tokens:
+            break
+        logits = _forward(model, [token], cache, device)[-1]
+        forwards += 1
+    _sync(device)
+    return DecodeResult(tokens, forwards, time.perf_counter() - start)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def accept_greedy(candidates: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """(accepted count, next token): candidates kept while they equal the target's argmax."""
+    choices = target_logits.argmax(-1).tolist()
+    n = 0
+    while n < len(candidates) and candidates[n] == choices[n]:
+        n += 1
+    return n, choices[n]
+
+
+def accept_sampled(candidates: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                   generator: torch.Generator) -> tuple[int, int]:
+    """The speculative rejection rule: keep candidate i with probability min(1, p_i / q_i); at the
+    first rejection draw from normalize(max(0, p − q)); if all are kept, draw from the target.
+    ``draft_probs`` None: deterministic candidates (q is one-hot)."""
+    for i, token in enumerate(candidates):
+        p = target_probs[i]
+        q = draft_probs[i] if draft_probs is not None else torch.zeros_like(p).index_fill_(0, torch.tensor(token), 1.0)
+        if torch.rand((), generator=generator).item() * q[token].item() < p[token].item():
+            continue
+        residual = (p - q).clamp(min=0)
+        residual = residual / residual.sum() if residual.sum() > 0 else p
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(candidates), int(torch.multinomial(target_probs[len(candidates)], 1, generator=generator))
+
+
+@torch.no_grad()
+def speculate(model, prompt: torch.Tensor, max_new_tokens: int, proposer, k: int = 8,
+              sampling: Sampling = Sampling(), eos: set[int] = frozenset(), cache=None) -> DecodeResult:
+    """Propose up to ``k`` tokens, verify them in one target forward, keep what the target accepts."""
+    device, start = _device(model), time.perf_counter()
+    generator = torch.Generator().manual_seed(sampling.seed)
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    context = prompt.reshape(-1).tolist()
+    logits = _forward(model, prompt, cache, device, all_logits=False)[-1:]
+    if sampling.greedy:
+        next_token = int(logits[-1].argmax())
+    else:
+        next_token = int(torch.multinomial(sampling.probs(logits[-1]).cpu(), 1, generator=generator))
+    tokens, forwards, proposed, accepted = [], 1, 0, 0
+    while True:
+        tokens.append(next_token)
+        context.append(next_token)
+        if next_token in eos or len(tokens) >= max_new_tokens:
+            break
+        room = min(k, max_new_tokens - len(tokens) - 1)  # the bonus token needs a place too
+        candidates, draft_probs = proposer.propose(context, room) if room > 0 else ([], None)
+        logits = _forward(model, [next_token, *candidates], cache, device)  # (1 + len(candidates), vocab)
+        forwards += 1
+        if sampling.greedy:
+            n, next_token = accept_greedy(candidates, logits)
+        else:
+            n, next_token = accept_sampled(candidates, sampling.probs(logits).cpu(), draft_probs, generator)
+        proposed, accepted = proposed + len(candidates), accepted + n
+        kept = candidates[:n]
+        stop = next((i for i, t in enumerate(kept) if t in eos), None)
+        if stop is not None:  # an accepted end-of-sequence ends the output there
+            tokens += kept[: stop + 1]
+            break
+        tokens += kept
+        context += kept
+        if len(candidates) > n:
+            cache.crop(-(len(candidates) - n))  # forget the rejected candidates
+    _sync(device)
+    return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted)
+
+
+class PromptLookup:
+    """Candidates copied from the context: after the latest earlier occurrence of its last
+    ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``), take what followed."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, context: list[int], k: int) -> tuple[list[int], None]:
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(context) <= n:
+                continue
+            tail = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start : start + n] == tail:
+                    return context[start + n : start + n + k], None
+        return [], None
+
+
+class DraftModel:
+    """A smaller model drafts greedily (or samples, for sampled decoding) until its top
+    probability falls below ``threshold``; its own cache follows the context, cropped back to
+    the prefix it shares with it."""
+
+    def __init__(self, draft, threshold: float = 0.4, sampling: Sampling = Sampling()):
+        self.draft, self.threshold, self.sampling = draft, threshold, sampling
+        self.cache, self.seen = DynamicCache(config=draft.config), []
+        self.generator = torch.Generator().manual_seed(sampling.seed + 1)
+
+    def _catch_up(self, context: list[int]) -> torch.Tensor:
+        """Logits after ``context``: crop the cache to the common prefix, feed the rest."""
+        common = 0
+        for a, b in zip(self.seen, context[:-1]):
+            if a != b:
+                break
+            common += 1
+        if len(self.seen) > common:
+            self.cache.crop(-(len(self.seen) - common))
+        self.seen = context[:]
+        return _forward(self.draft, context[common:], self.cache, _device(self.draft), all_logits=False)[-1]
+
+    def propose(self, context: list[int], k: int):
+        logits = self._catch_up(context)
+        tokens, probs = [], []
+        for _ in range(k):
+            if self.sampling.greedy:
+                p = torch.softmax(logits, -1)
+                token = int(p.argmax())
+            else:
+                p = self.sampling.probs(logits).cpu()
+                token = int(torch.multinomial(p, 1, generator=self.generator))
+            if tokens and p[token] < self.threshold:
+                break
+            tokens.append(token)
+            probs.append(p)
+            if len(tokens) == k:
+                break
+            logits = _forward(self.draft, [token], self.cache, _device(self.draft))[-1]
+            self.seen.append(token)
+        return tokens, (None if self.sampling.greedy else torch.stack(probs))

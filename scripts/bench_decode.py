@@ -1,0 +1,123 @@
+"""Decode speed of each method against plain greedy, on grounded and open prompts; a markdown table.
+
+    python scripts/bench_decode.py [--model smollm2-135m] [--new-tokens 128] [--draft DIR]
+
+Two prompt sets of 8, through the chat template, greedy, batch 1: "grounded" (a ~300-token
+wikitext-2 test passage and a request to repeat or summarise it: the output reuses the
+input) and "open" (open-ended requests). Per method: tokens/s, speedup against our plain
+greedy loop and against transformers' ``generate``, new tokens per target forward, and the
+share of prompts whose output is identical to plain greedy. Every method runs on the same
+model object (fp32 compute on the CPU), one prompt at a time, after one warm-up prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+
+import torch
+
+from compress import data, models
+from compress.decode import DraftModel, PromptLookup, greedy, speculate
+
+OPEN = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain why the sky is blue to a ten-year-old.",
+    "Give me three ideas for a weekend trip in the mountains.",
+    "What are the pros and cons of working from home?",
+    "Write a poem about the sea at night.",
+    "How do I make a good cup of coffee without a machine?",
+    "Describe a day in the life of a medieval blacksmith.",
+    "What should I consider when adopting a dog?",
+]
+
+
+def prompts(tokenizer) -> dict[str, list[torch.Tensor]]:
+    ids = data.tokenize(tokenizer, data.load_text("wikitext2", "test"))
+    asks = ["Repeat the text above word for word.", "Summarise the text above."]
+    grounded = [f"{tokenizer.decode(ids[5000 + 1500 * i : 5300 + 1500 * i])}\n\n{asks[i % 2]}" for i in range(8)]
+    chat = lambda text: tokenizer.apply_chat_template(  # noqa: E731
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    return {"grounded": [chat(t) for t in grounded], "open": [chat(t) for t in OPEN]}
+
+
+def machine() -> str:
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor())
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}"
+
+
+def run_hf(model, prompt, new_tokens, eos, **kwargs):
+    start = time.perf_counter()
+    out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, **kwargs)
+    tokens = out[0, prompt.shape[1]:].tolist()
+    return tokens, time.perf_counter() - start, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--draft", help="a draft checkpoint with the same tokenizer (e.g. an export of ours)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    args = parser.parse_args()
+
+    device = models.pick_device(args.device)
+    loaded = models.load(args.model, torch.bfloat16)
+    model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
+    eos = set(tokenizer.convert_tokens_to_ids([tokenizer.eos_token])) | set(
+        [model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int)
+        else model.generation_config.eos_token_id or [])
+    n = args.new_tokens
+    methods = {
+        "greedy (ours)": lambda p: _ours(greedy(model, p, n, eos)),
+        "greedy (transformers generate)": lambda p: run_hf(model, p, n, eos),
+        "prompt lookup (transformers, 10)": lambda p: run_hf(model, p, n, eos, prompt_lookup_num_tokens=10),
+        "prompt lookup (ours, k=10)": lambda p: _ours(speculate(model, p, n, PromptLookup(), k=10, eos=eos)),
+    }
+    if args.draft:
+        draft = models.for_compute(models.load(args.draft, torch.bfloat16).model, device)
+        methods["draft model (ours)"] = lambda p: _ours(speculate(model, p, n, DraftModel(draft), k=6, eos=eos))
+        methods["assisted (transformers, same draft)"] = lambda p: run_hf(model, p, n, eos, assistant_model=draft)
+
+    print(f"command: python {' '.join(sys.argv)}")
+    print(f"machine: {machine()}")
+    print(f"model: {args.model}, computed in {next(model.parameters()).dtype}; {n} new tokens, greedy, batch 1\n")
+    sets = {name: ps[: args.prompts] for name, ps in prompts(tokenizer).items()}
+    methods["greedy (ours)"](sets["open"][0][:, :32])  # warm-up
+    rows = []
+    for set_name, ps in sets.items():
+        results = {}
+        for name, fn in methods.items():
+            outputs, seconds, forwards = [], 0.0, 0
+            for p in ps:
+                out, s, f = fn(p)
+                outputs.append(out)
+                seconds, forwards = seconds + s, forwards + (f or 0)
+            results[name] = (outputs, sum(map(len, outputs)) / seconds, forwards)
+            print(f"{set_name:9s} {name:38s} {results[name][1]:6.1f} tok/s", file=sys.stderr, flush=True)
+        reference, ours, hf = results["greedy (ours)"][0], results["greedy (ours)"][1], \
+            results["greedy (transformers generate)"][1]
+        for name, (outputs, rate, forwards) in results.items():
+            tokens = sum(map(len, outputs))
+            rows.append([set_name, name, f"{rate:.1f}", f"{rate / ours:.2f}×", f"{rate / hf:.2f}×",
+                         f"{tokens / forwards:.2f}" if forwards else "",
+                         f"{sum(a == b for a, b in zip(outputs, reference))}/{len(ps)}"])
+    head = ["prompts", "method", "tokens/s", "vs our greedy", "vs transformers greedy", "tokens/forward",
+            "same as greedy"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+def _ours(result):
+    return result.tokens, result.seconds, result.forwards - 1
+
+
+if __name__ == "__main__":
+    main()

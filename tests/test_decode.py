@@ -1,0 +1,81 @@
+"""The decoder: lossless speculation is token-identical to greedy, rollback is exact, and the
+sampling rule keeps the target's distribution."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from compress.decode import DraftModel, PromptLookup, Sampling, accept_sampled, greedy, speculate
+from tests.conftest import compress_with, tiny
+
+
+def _prompt(length=40, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(0, 128, (10,), generator=g)
+    return torch.cat([torch.randint(0, 128, (length - 20,), generator=g), motif, motif]).unsqueeze(0)  # repeats
+
+
+def _proposers(model):
+    draft = copy.deepcopy(model)
+    compress_with(draft, "  - rtn: {bits: 4, group_size: 32}\n")  # a compressed copy drafts for the original
+    return {"prompt lookup": PromptLookup(), "draft model": DraftModel(draft, threshold=0.0)}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_speculation_is_token_identical_to_greedy(seed):
+    model = tiny("llama")
+    prompt = _prompt(seed=seed)
+    plain = greedy(model, prompt, 40)
+    reference = model.generate(prompt, max_new_tokens=40, do_sample=False, min_new_tokens=40)[0, prompt.shape[1]:]
+    assert plain.tokens == reference.tolist()
+    for name, proposer in _proposers(model).items():
+        result = speculate(model, prompt, 40, proposer, k=5)
+        assert result.tokens == plain.tokens, name
+        assert result.accepted > 0, name  # it really speculated
+        assert result.forwards < plain.forwards, name
+
+
+def test_rollback_leaves_the_cache_as_if_the_rejected_tokens_were_never_seen():
+    model = tiny("llama")
+    prompt, rejected = _prompt(), torch.tensor([[5, 6, 7]])
+    clean, rolled = DynamicCache(config=model.config), DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt, past_key_values=clean)
+        model(prompt, past_key_values=rolled)
+        model(rejected, past_key_values=rolled)
+        rolled.crop(-3)
+        for a, b in zip(clean.layers, rolled.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        nxt = torch.tensor([[9]])
+        assert torch.equal(model(nxt, past_key_values=clean).logits, model(nxt, past_key_values=rolled).logits)
+
+
+@pytest.mark.parametrize("deterministic_draft", [False, True])
+def test_sampling_rule_keeps_the_target_distribution(deterministic_draft):
+    """First token out of one speculative step, over many draws: chi-square against the target
+    (5 categories, critical value 18.47 at p = 0.001; fixed seed, so deterministic)."""
+    p = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    q = torch.tensor([0.5, 0.1, 0.1, 0.1, 0.2])
+    g = torch.Generator().manual_seed(0)
+    draws = 8000
+    counts = torch.zeros(5)
+    for _ in range(draws):
+        if deterministic_draft:
+            candidate, draft = 0, None  # e.g. prompt lookup: always proposes token 0
+        else:
+            candidate, draft = int(torch.multinomial(q, 1, generator=g)), q[None]
+        n, nxt = accept_sampled([candidate], torch.stack([p, p]), draft, g)
+        counts[candidate if n == 1 else nxt] += 1
+    expected = p * draws
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < 18.47, (counts / draws, chi2)
+
+
+def test_sampled_speculation_runs_and_is_reproducible():
+    model = tiny("llama")
+    sampling = Sampling(temperature=0.8, top_p=0.9, seed=3)
+    a = speculate(model, _prompt(), 30, PromptLookup(), sampling=sampling)
+    b = speculate(model, _prompt(), 30, PromptLookup(), sampling=sampling)
+    assert a.tokens == b.tokens and len(a.tokens) == 30
