@@ -34,14 +34,15 @@ def machine() -> str:
     return f"{cpu}, {torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}, {platform.python_version()}"
 
 
-def compress(recipe: str, model: str, args, out: Path) -> dict:
+def compress(recipe: str, model: str, args, out: Path) -> dict | None:
     cmd = [sys.executable, "-m", "compress.cli", "apply", recipe, "--model", model, "--output", str(out),
            "--overwrite", "--no-eval", "--dtype", args.dtype]
     if args.samples:
         cmd += ["--samples", str(args.samples)]
     result = subprocess.run(cmd, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{result.stderr[-3000:]}")
+    if result.returncode != 0:  # one broken recipe should not cost the rest of the table
+        print(f"FAILED: {' '.join(cmd)}\n{result.stderr[-3000:]}", file=sys.stderr, flush=True)
+        return None
     return json.loads((out / "report.json").read_text())
 
 
@@ -85,8 +86,12 @@ def main() -> None:
 
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")
+    from compress import models
+
+    device = models.pick_device(args.device)
+    computed = models.compute_dtype(device, models.parse_dtype(args.dtype))
     print(f"protocol: wikitext-2-raw test, {args.windows} windows × {args.seqlen} tokens, stored {args.dtype}, "
-          "computed in float32 on the CPU\n")
+          f"computed in {str(computed).removeprefix('torch.')} on {device.type}\n")
     rows, raw = [], []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
@@ -94,17 +99,21 @@ def main() -> None:
             reports = []
             for recipe in args.recipes:
                 r = compress(recipe, model, args, root / f"{model}-{Path(recipe).stem}")
-                print(f"compressed: {model} {recipe} in {r['compress_s']:.0f} s", file=sys.stderr, flush=True)
-                reports.append(r)
+                if r is not None:
+                    print(f"compressed: {model} {recipe} in {r['compress_s']:.0f} s", file=sys.stderr, flush=True)
+                    reports.append(r)
+            if not reports:
+                continue
             score(model, reports, args)
             raw += reports
-            rows.append([model, "dense", "16", "", "", f"{reports[0]['eval']['ref_ppl']:.3f}", "0", "1.000", "", ""])
+            rows.append([model, "dense", "16", "", "", "", "", f"{reports[0]['eval']['ref_ppl']:.3f}", "0", "1.000", "", ""])
             for r in reports:
                 e = r["eval"]
                 rows.append([model, r["method"], fmt(r["bits_per_weight"], ".2f"), fmt(r.get("sparsity"), ".1%"),
+                             fmt(r.get("params_kept"), ".1%"), fmt(r.get("kv_bytes_per_token"), ",.0f"),
                              f"{r['size_mb']:.1f}", f"{e['ppl']:.3f}", f"{e['kl']:.4f}", f"{e['top1']:.3f}",
                              f"{r['compress_s']:.1f}", f"{r['peak_rss_gb']:.2f}"])
-    head = ["model", "method", "bits/w", "sparsity", "size MB", "ppl", "KL", "top-1", "compress s", "peak RSS GB"]
+    head = ["model", "method", "bits/w", "sparsity", "params kept", "KV B/token", "size MB", "ppl", "KL", "top-1", "compress s", "peak RSS GB"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows:

@@ -1,0 +1,55 @@
+"""The CUDA paths: the block sweep, the quantized KV cache and the decoder on a GPU.
+
+Skipped without one (CI has none); run on a lent GPU machine with ``pytest tests/test_cuda.py``.
+"""
+
+import pytest
+import torch
+
+from compress import kvcache
+from compress.decode import PromptLookup, greedy, speculate
+from compress.kvcache import KIVICache, KVScheme
+from compress.pipeline import run_sequential
+from compress.recipe import parse
+from tests.conftest import tiny
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+
+
+def test_gptq_sweep_on_cuda_puts_every_group_on_a_4_bit_grid():
+    model = tiny("llama").to(torch.bfloat16)
+    recipe = parse("passes:\n  - gptq: {bits: 4, group_size: 32}\n")
+    ids = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(0))
+    for p in recipe.passes:
+        p.check(model)
+    run_sequential(model, ids, recipe.passes, CUDA)
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and "layers" in name:
+            groups = module.weight.detach().float().reshape(-1, 32)
+            assert torch.isfinite(groups).all(), name
+            assert max(len(g.unique()) for g in groups) <= 16, name
+
+
+def test_kivi_simulation_equals_cached_decoding_on_cuda():
+    model = tiny("llama").to(CUDA)
+    scheme = KVScheme(2, 16, 32)
+    kvcache.install(model, scheme)
+    ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(1)).to(CUDA)
+    with torch.no_grad():
+        with kvcache.simulating(model):
+            simulated = model(ids, use_cache=False).logits
+        cache = KIVICache(scheme, model.config.num_hidden_layers)
+        decoded = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(80)], 1)
+    torch.testing.assert_close(simulated, decoded, atol=1e-4, rtol=0)
+
+
+def test_prompt_lookup_on_cuda_is_token_identical_to_greedy():
+    model = tiny("llama").to(CUDA)
+    g = torch.Generator().manual_seed(0)
+    motif = torch.randint(0, 128, (10,), generator=g)
+    prompt = torch.cat([torch.randint(0, 128, (20,), generator=g), motif, motif]).unsqueeze(0).to(CUDA)
+    plain = greedy(model, prompt, 40)
+    fast = speculate(model, prompt, 40, PromptLookup(), k=5)
+    assert fast.tokens == plain.tokens
+    assert fast.forwards < plain.forwards
