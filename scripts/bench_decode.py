@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--draft", help="a draft checkpoint with the same tokenizer (e.g. an export of ours)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    parser.add_argument("--exit-layer", type=int, default=8, help="layer transformers' early-exit assistant drafts from")
     args = parser.parse_args()
 
     device = models.pick_device(args.device)
@@ -78,6 +79,8 @@ def main() -> None:
         "greedy (transformers generate)": lambda p: run_hf(model, p, n, eos),
         "prompt lookup (transformers, 10)": lambda p: run_hf(model, p, n, eos, prompt_lookup_num_tokens=10),
         "prompt lookup (ours, k=10)": lambda p: _ours(speculate(model, p, n, PromptLookup(), k=10, eos=eos)),
+        f"early-exit drafting (transformers, layer {args.exit_layer})":
+            lambda p: run_hf(model, p, n, eos, assistant_early_exit=args.exit_layer),
     }
     if args.draft:
         draft = models.for_compute(models.load(args.draft, torch.bfloat16).model, device)
@@ -87,7 +90,7 @@ def main() -> None:
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")
     print(f"model: {args.model}, computed in {next(model.parameters()).dtype}; {n} new tokens, greedy, batch 1\n")
-    sets = {name: ps[: args.prompts] for name, ps in prompts(tokenizer).items()}
+    sets = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()}
     methods["greedy (ours)"](sets["open"][0][:, :32])  # warm-up
     rows = []
     for set_name, ps in sets.items():
