@@ -16,7 +16,7 @@ import torch
 
 from . import data, export, kvcache, lowrank, models
 from .evaluate import evaluate, windows_of
-from .pipeline import run_sequential
+from .pipeline import run_passes
 from .quant import quantized_of
 from .recipe import Recipe
 from .sparsity import measured_sparsity
@@ -40,6 +40,7 @@ class Report:
     size_mb: float
     compress_s: float
     peak_rss_gb: float  # up to the end of compression (evaluation loads a second model)
+    training: dict = field(default_factory=dict)  # recovery passes: loss of the first and last tenth of the steps
     eval: dict = field(default_factory=dict)
 
     def as_dict(self):
@@ -82,7 +83,7 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
         cal = recipe.calibration
         ids, calib_what = data.calibration_batches(model, tokenizer, cal.source, samples or cal.samples,
                                                    cal.seqlen, seed)
-    run_sequential(model, ids, recipe.passes, dev)
+    teacher = run_passes(model, ids, recipe.passes, dev, lambda: models.load(source, torch_dtype).model)
     compress_s = time.perf_counter() - start
     rss = peak_rss_gb()
 
@@ -94,10 +95,13 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
                 "kv_bytes_per_token": kv, "dtype": dtype}
     export.export(model, tokenizer, out, recipe.text, manifest, overwrite=overwrite)
     report = Report(recipe.name, source, method, str(out), calib_what, bpw, sparsity, kept, kv,
-                    export.size_on_disk(out) / 1e6, compress_s, rss)
+                    export.size_on_disk(out) / 1e6, compress_s, rss,
+                    training={p.where: p.log for p in recipe.passes if getattr(p, "log", None)})
 
     if eval_data is not None:
-        reference = models.for_compute(models.load(source, torch_dtype).model, dev) if ev.kl else None
+        reference = None
+        if ev.kl:
+            reference = models.for_compute(teacher if teacher is not None else models.load(source, torch_dtype).model, dev)
         result = evaluate(models.for_compute(model, dev), tokenizer, ev.ppl, seqlen, windows, reference=reference,
                           data=eval_data)
         report.eval = result.as_dict()

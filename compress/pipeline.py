@@ -183,3 +183,17 @@ def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device
         if inputs is not None and i + 1 < len(layers):
             inputs = data.forward()  # the next block sees what the compressed block produces
         cast_params(block, home, storage)
+
+
+def run_passes(model, ids: torch.Tensor | None, passes, device: torch.device,
+               load_teacher: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
+    """The block sweep over the layer-passes, then the model passes (recovery training), which
+    train against the original model from ``load_teacher()``; returns that teacher, if loaded."""
+    from .passes import ModelPass
+
+    model_passes = [p for p in passes if isinstance(p, ModelPass)]
+    run_sequential(model, ids, [p for p in passes if not isinstance(p, ModelPass)], device)
+    teacher = load_teacher() if model_passes else None
+    for p in model_passes:
+        p.apply_model(model, teacher, ids, device)
+    return teacher

@@ -111,6 +111,7 @@ def parse(text: str, name: str = "recipe") -> Recipe:
     _check_factoring(passes)
     _check_lorc(passes)
     _check_w8a8(passes)
+    _check_recovery(passes)
     return Recipe(fields, passes, text, name)
 
 
@@ -139,6 +140,33 @@ def _check_w8a8(passes: list[LayerPass]) -> None:
         if isinstance(p, SmoothQuant) and not any(isinstance(q, WeightQuantPass) and q.options.bits == 8
                                                   for q in passes[i + 1:]):
             raise RecipeError(f"{p.where}: int8 activations need int8 weights; follow it with rtn or gptq, bits: 8")
+
+
+def _check_recovery(passes: list[LayerPass]) -> None:
+    """Model passes train the result of the block sweep, so they come after every layer-pass;
+    recovery needs something compressed to recover, and LoRA needs a quantized base."""
+    from .passes import ModelPass
+    from .passes.base import WeightQuantPass
+    from .passes.blockwise import Blockwise
+    from .passes.kv_cache import KVCachePass
+    from .passes.qlora import QLoRA
+    from .passes.sparsegpt import SparseGPT
+
+    def quantizes(q):
+        return isinstance(q, WeightQuantPass) or (isinstance(q, SparseGPT) and q.options.quantize)
+
+    def compresses(q):
+        return not isinstance(q, (ModelPass, Blockwise, KVCachePass))
+
+    for i, p in enumerate(passes):
+        if isinstance(p, ModelPass) and (later := [q for q in passes[i + 1:] if not isinstance(q, ModelPass)]):
+            raise RecipeError(f"{p.where}: trains the whole compressed model, so it must follow every "
+                              f"block pass ({later[0].where} comes after it)")
+        if isinstance(p, (ModelPass, Blockwise)) and not any(compresses(q) for q in passes[:i]):
+            raise RecipeError(f"{p.where}: recovers what compression lost; put a compression pass before it")
+        if (isinstance(p, QLoRA) or "lora" in getattr(p.options, "train", [])) and \
+                not any(quantizes(q) for q in passes[:i]):
+            raise RecipeError(f"{p.where}: LoRA trains on a frozen quantized base; put a quantization pass before it")
 
 
 def _check_factoring(passes: list[LayerPass]) -> None:

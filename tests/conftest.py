@@ -38,14 +38,17 @@ def smollm2_copy(smollm2):
 
 
 def compress_with(model, passes_yaml: str, ids=None):
-    """Parse a `passes:` list, check it against the model and run the block sweep in place."""
-    from compress.pipeline import run_sequential
+    """Parse a `passes:` list, check it against the model and run it in place (a recovery pass's
+    teacher is a copy of the model from before)."""
+    from compress.passes import ModelPass
+    from compress.pipeline import run_passes
     from compress.recipe import parse
 
     recipe = parse("passes:\n" + passes_yaml)
     for p in recipe.passes:
         p.check(model)
-    run_sequential(model, ids if recipe.needs_data else None, recipe.passes, torch.device("cpu"))
+    original = copy.deepcopy(model) if any(isinstance(p, ModelPass) for p in recipe.passes) else None
+    run_passes(model, ids if recipe.needs_data else None, recipe.passes, torch.device("cpu"), lambda: original)
     return recipe
 
 

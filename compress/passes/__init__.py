@@ -1,18 +1,22 @@
 """Registry of passes: recipe name -> class. Adding a method is one file plus one line here."""
 
 from .awq import AWQ
-from .base import LayerPass, RecipeError
+from .base import LayerPass, ModelPass, RecipeError
+from .blockwise import Blockwise
+from .distill import Distill
 from .gptq import GPTQ
 from .kv_cache import KVCachePass
 from .lorc import LoRC
 from .lowrank import LowRank
 from .magnitude import Magnitude
+from .qlora import QLoRA
 from .rtn import RTN
 from .smoothquant import SmoothQuant
 from .sparsegpt import SparseGPT
 from .wanda import Wanda
 
-PASSES = (RTN, GPTQ, AWQ, Magnitude, Wanda, SparseGPT, LowRank, LoRC, SmoothQuant, KVCachePass)
+PASSES = (RTN, GPTQ, AWQ, Magnitude, Wanda, SparseGPT, LowRank, LoRC, SmoothQuant, KVCachePass, Blockwise, Distill,
+          QLoRA)
 REGISTRY: dict[str, type[LayerPass]] = {cls.name: cls for cls in PASSES}
 
-__all__ = ["REGISTRY", "LayerPass", "RecipeError"]
+__all__ = ["REGISTRY", "LayerPass", "ModelPass", "RecipeError"]

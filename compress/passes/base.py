@@ -13,7 +13,7 @@ import warnings
 from typing import ClassVar, Literal, Optional, Union
 
 import torch
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..arch import arch_of, block_linears, decoder_layers
 from ..quant import QuantScheme, resolve_group_size
@@ -45,6 +45,35 @@ class LayerPass:
 
     def summary(self) -> str:
         return self.name
+
+
+class ModelPass(LayerPass):
+    """A pass over the whole model after the block sweep (recovery training): it gets the
+    compressed model, the original as teacher, and the calibration ids."""
+
+    def apply(self, block, data, prefix: str) -> None:
+        raise TypeError(f"{self.where} is a model pass; the pipeline calls apply_model")
+
+    def apply_model(self, model: torch.nn.Module, teacher: torch.nn.Module, ids: torch.Tensor,
+                    device: torch.device) -> None:
+        raise NotImplementedError
+
+
+class RecoveryOptions(PassOptions):
+    """Training options shared by the recovery passes (``compress/recovery.py``)."""
+
+    train: list[Literal["scales", "norms", "weights", "lora"]] = ["scales", "norms"]
+    steps: int = Field(200, gt=0)
+    lr: float = Field(1e-3, gt=0)  # scales (a multiplier starting at 1), norms and LoRA factors
+    weight_lr: float = Field(1e-5, gt=0)  # raw weights, which are ~100x smaller than a scale multiplier
+    batch: int = Field(1, gt=0)  # calibration samples per step
+
+    @field_validator("train")
+    @classmethod
+    def _some(cls, v):
+        if not v:
+            raise ValueError("name at least one of scales, norms, weights, lora")
+        return v
 
 
 def matches(name: str, pattern: str) -> bool:

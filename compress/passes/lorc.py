@@ -12,7 +12,6 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
-import torch
 from pydantic import Field
 
 from ..hessian import Hessian, dampened_cholesky
