@@ -33,6 +33,11 @@ def _apply(args) -> None:
     print()
     print(f"model: {report.model}    output: {report.output}")
     print(f"calibration: {report.calibration}")
+    for where, log in report.training.items():  # blockwise logs per block, the others once
+        logs = list(log.values()) if all(isinstance(v, dict) for v in log.values()) else [log]
+        first, last = (sum(entry[k] for entry in logs) / len(logs) for k in ("loss_first", "loss_last"))
+        per = f" per block, mean over {len(logs)} blocks" if len(logs) > 1 else ""
+        print(f"{where}: training loss {first:.4g} -> {last:.4g} ({logs[0]['steps']} steps{per})")
     if report.eval:
         print(f"evaluation: {report.eval['protocol']}")
     print(format_table([report]))
@@ -62,9 +67,7 @@ def _eval(args) -> None:
 
 
 def _decode(args) -> None:
-    import torch
-
-    from . import decode, kvcache, models
+    from . import decode, kernels, kvcache, models
 
     device = models.pick_device(args.device)
     loaded = models.load(args.model, models.parse_dtype(args.dtype))
@@ -75,6 +78,10 @@ def _decode(args) -> None:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                                return_tensors="pt", return_dict=True)["input_ids"]
     prompt = prompt.to(device)
+    kernel = "dense matmuls"
+    if args.kernel == "auto" and device.type == "cpu" and Path(args.model).is_dir():
+        if kernels.attach_from_export(model, args.model) and (n := kernels.use_int4_kernel(model)):
+            kernel = f"int4 kernel (_weight_int4pack_mm_for_cpu) on {n} linears"
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
     sampling = decode.Sampling(args.temperature, args.top_p, args.seed)
@@ -83,6 +90,10 @@ def _decode(args) -> None:
         if not sampling.greedy:
             raise decode.DecodeError("--method greedy takes no --temperature; use prompt-lookup or draft to sample")
         result = decode.greedy(model, prompt, args.max_new_tokens, eos, cache=cache)
+    elif args.method == "early-exit":
+        if not sampling.greedy or cache is not None:
+            raise decode.DecodeError("--method early-exit is greedy with a full-precision cache; drop --temperature")
+        result = _early_exit(args, model, tokenizer, prompt, eos)
     else:
         if cache is not None:
             raise decode.DecodeError(f"{args.model} has a quantized KV cache; speculative methods cannot roll it back "
@@ -92,13 +103,70 @@ def _decode(args) -> None:
                 raise decode.DecodeError("--method draft needs --draft MODEL (same tokenizer)")
             draft = models.for_compute(models.load(args.draft, models.parse_dtype(args.dtype)).model, device)
             proposer = decode.DraftModel(draft, args.threshold, sampling)
+        elif args.method == "self-spec":
+            proposer = decode.DraftModel(decode.layer_subset(model, _draft_layers(args, model, tokenizer, device)),
+                                         args.threshold, sampling)
         else:
             proposer = decode.PromptLookup()
         result = decode.speculate(model, prompt, args.max_new_tokens, proposer, args.k, sampling, eos)
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
     print(f"\n[{args.method}: {len(result.tokens)} tokens in {result.seconds:.2f} s, "
           f"{len(result.tokens) / result.seconds:.1f} tokens/s, {result.tokens_per_forward:.2f} tokens per "
-          f"target forward, on {device}]", file=sys.stderr)
+          f"target forward, on {device}, {kernel}]", file=sys.stderr)
+
+
+def _draft_layers(args, model, tokenizer, device) -> list[int]:
+    """``--layers`` as given, or searched (``auto``) on two wikitext calibration prompts."""
+    from . import decode
+    from .arch import decoder_layers
+    from .data import calibration_batches
+
+    count = len(decoder_layers(model))
+    if args.layers != "auto":
+        return decode.parse_layers(args.layers, count)
+    ids, _ = calibration_batches(model, tokenizer, "wikitext2", 2, 64, seed=0)
+    keep, trials = decode.search_layers(model, [row.unsqueeze(0).to(device) for row in ids], k=args.k,
+                                        threshold=args.threshold)
+    for t in trials:
+        print(f"[self-spec search: {len(t['layers'])}/{count} layers {_ranges(t['layers'])}: "
+              f"{t['tokens_per_s']:.1f} tokens/s, {t['tokens_per_forward']:.2f} tokens per forward]", file=sys.stderr)
+    print(f"[self-spec: drafting with layers {_ranges(keep)}; pass --layers {_ranges(keep)} to skip the search]",
+          file=sys.stderr)
+    return keep
+
+
+def _early_exit(args, model, tokenizer, prompt, eos):
+    """Lossy: the threshold is calibrated (``auto``) for 90% top-1 agreement on calibration text."""
+    from . import decode, early_exit
+    from .arch import decoder_layers
+    from .data import calibration_batches
+
+    exits = early_exit.default_exits(len(decoder_layers(model)))
+    threshold = args.exit_threshold
+    if threshold == "auto":
+        ids, _ = calibration_batches(model, tokenizer, "wikitext2", 2, 256, seed=0)
+        found = early_exit.calibrate(model, ids, exits, args.exit_measure, target=0.9)
+        threshold = found["threshold"]
+        print(f"[early exit: {args.exit_measure} threshold {threshold:.3f} at layers {exits} keeps "
+              f"{found['agreement']:.1%} top-1 agreement on calibration text, {found['mean_layers']:.1f} layers per "
+              "token on average]", file=sys.stderr)
+    try:
+        threshold = float(threshold)
+    except ValueError:
+        raise decode.DecodeError(f"--exit-threshold {threshold!r}: a number or auto") from None
+    result = early_exit.early_exit_greedy(model, prompt, args.max_new_tokens, threshold, exits, args.exit_measure, eos)
+    print(f"[early exit: {result.extra['mean_layers']:.1f} layers per token]", file=sys.stderr)
+    return result
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    parts, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            parts.append(f"{start}-{a}" if a > start else str(a))
+            start = b
+    return ",".join(parts)
 
 
 def _recipes(args) -> None:
@@ -145,9 +213,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("decode", help="generate from a model or export; greedy or speculative")
     p.add_argument("model", help="exported folder, local HF folder or alias")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--method", choices=["greedy", "prompt-lookup", "draft"], default="prompt-lookup",
-                   help="all are lossless: greedy output, or the target's sampling distribution")
+    p.add_argument("--method", choices=["greedy", "prompt-lookup", "draft", "self-spec", "early-exit"],
+                   default="prompt-lookup", help="all but early-exit are lossless: greedy output, or the target's "
+                                                 "sampling distribution")
+    p.add_argument("--layers", default="auto", help="self-spec: the layers that draft, e.g. 0-11 or 0-14,16,18 "
+                                                    "(default auto: searched for speed on two calibration prompts)")
     p.add_argument("--draft", help="draft model for --method draft (e.g. a compressed export of the same model)")
+    p.add_argument("--exit-threshold", default="auto", help="early-exit: confidence needed to leave early "
+                                                             "(auto: calibrated for 90%% top-1 agreement)")
+    p.add_argument("--exit-measure", choices=["softmax", "saturation"], default="softmax")
     p.add_argument("--k", type=int, default=8, help="most candidates verified per target forward")
     p.add_argument("--threshold", type=float, default=0.4, help="draft model: stop drafting below this probability")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -155,6 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--kernel", choices=["auto", "dense"], default="auto",
+                   help="auto: W4 exports run on torch's int4 CPU kernel where it applies; dense: dequantized")
     common(p)
     p.set_defaults(func=_decode)
 

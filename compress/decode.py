@@ -13,10 +13,14 @@ Proposers (``propose(context, k) -> (tokens, draft probabilities or None)``):
 - ``PromptLookup``: the continuation of the latest earlier occurrence of the last n-gram.
 - ``DraftModel``: a smaller model with the same tokenizer (a compressed checkpoint of the
   target works), drafting greedily while it is confident.
+- Self-speculation: ``DraftModel(layer_subset(target, keep))``, the target itself with only
+  some decoder layers run (Draft & Verify's layer skipping; the first ``n`` layers is
+  early-exit drafting as in LayerSkip). ``search_layers`` picks ``keep`` by measured speed.
 """
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -225,3 +229,71 @@ class DraftModel:
             logits = _forward(self.draft, [token], self.cache, _device(self.draft))[-1]
             self.seen.append(token)
         return tokens, (None if self.sampling.greedy else torch.stack(probs))
+
+
+def layer_subset(model, keep: list[int]):
+    """A view of ``model`` that runs only the decoder layers ``keep`` (the same weights, no copy).
+
+    Layer 0 must stay: the KV cache reads the sequence length from its first layer. Kept
+    layers keep their index, so a cache built from the model's config serves the view.
+    """
+    from .arch import arch_of
+
+    path = arch_of(model).layers.split(".")  # e.g. model.layers
+    count = len(model.get_submodule(".".join(path)))
+    keep = sorted(set(keep))
+    if not keep or keep[0] != 0 or keep[-1] >= count:
+        raise DecodeError(f"--layers must include layer 0 and stay within 0-{count - 1}")
+
+    def rebuilt(module, rest):  # shallow copies down the path; the original model is untouched
+        clone = copy.copy(module)
+        clone._modules = dict(module._modules)
+        child = module._modules[rest[0]]
+        clone._modules[rest[0]] = torch.nn.ModuleList([child[i] for i in keep]) if len(rest) == 1 else \
+            rebuilt(child, rest[1:])
+        return clone
+
+    return rebuilt(model, path)
+
+
+def parse_layers(spec: str, count: int) -> list[int]:
+    """``0-11`` or ``0,1,2,5-8`` -> layer indices."""
+    out = []
+    try:
+        for part in spec.split(","):
+            a, _, b = part.partition("-")
+            out += list(range(int(a), int(b or a) + 1))
+    except ValueError:
+        raise DecodeError(f"--layers {spec!r}: write ranges and indices like 0-11 or 0,1,2,5-8") from None
+    if any(i < 0 or i >= count for i in out):
+        raise DecodeError(f"--layers {spec!r}: the model has layers 0-{count - 1}")
+    return out
+
+
+def candidate_subsets(count: int) -> list[list[int]]:
+    """Early exits after a quarter to two thirds of the layers, and skipping every second layer
+    of the second half or of the last two thirds (Draft & Verify finds later layers cheapest to skip)."""
+    exits = sorted({max(1, round(count * f)) for f in (1 / 4, 1 / 3, 1 / 2, 2 / 3)})
+    subsets = [list(range(n)) for n in exits]
+    for start in (count // 2, count // 3):
+        subsets.append([i for i in range(count) if i < start or (i - start) % 2 == 0])
+    return subsets
+
+
+@torch.no_grad()
+def search_layers(model, prompts: list[torch.Tensor], max_new_tokens: int = 32, k: int = 8,
+                  threshold: float = 0.4) -> tuple[list[int], list[dict]]:
+    """The candidate subset with the most tokens per second on ``prompts`` (greedy, measured)."""
+    from .arch import decoder_layers
+
+    trials = []
+    for keep in candidate_subsets(len(decoder_layers(model))):
+        tokens, seconds, per_forward = 0, 0.0, []
+        for prompt in prompts:
+            result = speculate(model, prompt, max_new_tokens, DraftModel(layer_subset(model, keep), threshold), k)
+            tokens, seconds = tokens + len(result.tokens), seconds + result.seconds
+            per_forward.append(result.tokens_per_forward)
+        trials.append({"layers": keep, "tokens_per_s": tokens / seconds,
+                       "tokens_per_forward": sum(per_forward) / len(per_forward)})
+    best = max(trials, key=lambda t: t["tokens_per_s"])
+    return best["layers"], trials

@@ -20,6 +20,7 @@ and re-attached, weights rounded to the storage dtype, LoRA kept on the linear.
 from __future__ import annotations
 
 import math
+import time
 from typing import Callable, Literal
 
 import torch
@@ -157,8 +158,10 @@ def train(trainables: Trainables, loss_of: Callable[[int], torch.Tensor], steps:
           desc: str, progress: bool = True) -> dict:
     """AdamW with cosine decay; ``loss_of(step)`` builds one step's loss.
 
-    Returns the mean loss of the first and last tenth of the steps (single steps are noisy).
+    Returns the mean loss of the first and last tenth of the steps (single steps are noisy)
+    and the wall time.
     """
+    start = time.perf_counter()
     optimizer = torch.optim.AdamW(trainables.param_groups(lr, weight_lr), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     losses = []
@@ -173,4 +176,5 @@ def train(trainables: Trainables, loss_of: Callable[[int], torch.Tensor], steps:
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
     tenth = max(1, steps // 10)
-    return {"steps": steps, "loss_first": sum(losses[:tenth]) / tenth, "loss_last": sum(losses[-tenth:]) / tenth}
+    return {"steps": steps, "loss_first": sum(losses[:tenth]) / tenth, "loss_last": sum(losses[-tenth:]) / tenth,
+            "seconds": time.perf_counter() - start}

@@ -13,14 +13,16 @@ model object (fp32 compute on the CPU), one prompt at a time, after one warm-up 
 from __future__ import annotations
 
 import argparse
+import copy
 import platform
 import sys
 import time
 
 import torch
 
-from compress import data, models
-from compress.decode import DraftModel, PromptLookup, greedy, speculate
+from compress import data, early_exit, kernels, models
+from compress.arch import decoder_layers
+from compress.decode import DraftModel, PromptLookup, greedy, layer_subset, parse_layers, search_layers, speculate
 
 OPEN = [
     "Write a short story about a robot who learns to paint.",
@@ -64,7 +66,12 @@ def main() -> None:
     parser.add_argument("--draft", help="a draft checkpoint with the same tokenizer (e.g. an export of ours)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per set")
-    parser.add_argument("--exit-layer", type=int, default=8, help="layer transformers' early-exit assistant drafts from")
+    parser.add_argument("--exit-layer", type=int, default=8,
+                        help="early-exit drafting (ours and transformers') drafts with the layers below this one")
+    parser.add_argument("--w4", help="a W4 export (e.g. of awq-w4): greedy with its weights dequantized to fp32, "
+                                      "and on torch's int4 CPU kernel")
+    parser.add_argument("--self-layers", help="also self-speculate with these layers (e.g. 0-14,16,18), or auto: "
+                                              "searched for speed on two calibration prompts")
     args = parser.parse_args()
 
     device = models.pick_device(args.device)
@@ -81,11 +88,40 @@ def main() -> None:
         "prompt lookup (ours, k=10)": lambda p: _ours(speculate(model, p, n, PromptLookup(), k=10, eos=eos)),
         f"early-exit drafting (transformers, layer {args.exit_layer})":
             lambda p: run_hf(model, p, n, eos, assistant_early_exit=args.exit_layer),
+        f"early-exit drafting (ours, layer {args.exit_layer})":
+            lambda p: _ours(speculate(model, p, n, DraftModel(first_layers), k=8, eos=eos)),
     }
+    first_layers = layer_subset(model, list(range(args.exit_layer)))
+    if args.self_layers:
+        count = len(decoder_layers(model))
+        if args.self_layers == "auto":
+            ids, _ = data.calibration_batches(model, tokenizer, "wikitext2", 2, 64, seed=0)
+            keep, _ = search_layers(model, [row.unsqueeze(0).to(device) for row in ids])
+        else:
+            keep = parse_layers(args.self_layers, count)
+        skipping = layer_subset(model, keep)
+        methods[f"layer-skip self-speculation (ours, {len(keep)}/{count} layers)"] = \
+            lambda p: _ours(speculate(model, p, n, DraftModel(skipping), k=8, eos=eos))
     if args.draft:
         draft = models.for_compute(models.load(args.draft, torch.bfloat16).model, device)
         methods["draft model (ours)"] = lambda p: _ours(speculate(model, p, n, DraftModel(draft), k=6, eos=eos))
         methods["assisted (transformers, same draft)"] = lambda p: run_hf(model, p, n, eos, assistant_model=draft)
+
+    exits = early_exit.default_exits(len(decoder_layers(model)))
+    calibration, _ = data.calibration_batches(model, tokenizer, "wikitext2", 2, 256, seed=0)
+    found = early_exit.calibrate(model, calibration, exits, target=0.9)
+    methods[f"early exit, lossy (ours, softmax ≥ {found['threshold']:.2f} at layers {exits})"] = \
+        lambda p: _ours(early_exit.early_exit_greedy(model, p, n, found["threshold"], exits, eos=eos))
+    if args.w4:
+        dequantized = models.for_compute(models.load(args.w4, torch.bfloat16).model, device)
+        int4 = copy.deepcopy(dequantized)
+        kernels.attach_from_export(int4, args.w4)
+        swapped = kernels.use_int4_kernel(int4)
+        methods["greedy, W4 export dequantized to fp32 (ours)"] = lambda p: _ours(greedy(dequantized, p, n, eos))
+        methods[f"greedy, W4 export on the int4 kernel, {swapped} linears (ours)"] = \
+            lambda p: _ours(greedy(int4, p, n, eos))
+        methods["prompt lookup, W4 export on the int4 kernel (ours, k=10)"] = \
+            lambda p: _ours(speculate(int4, p, n, PromptLookup(), k=10, eos=eos))
 
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")

@@ -35,6 +35,8 @@ def machine() -> str:
 
 
 def compress(recipe: str, model: str, args, out: Path) -> dict | None:
+    if args.reuse and (out / "report.json").exists():  # compressed by an earlier run into --keep
+        return json.loads((out / "report.json").read_text())
     cmd = [sys.executable, "-m", "compress.cli", "apply", recipe, "--model", model, "--output", str(out),
            "--overwrite", "--no-eval", "--dtype", args.dtype]
     if args.samples:
@@ -56,7 +58,7 @@ def score(model: str, reports: list[dict], args) -> None:
     device = models.pick_device(args.device)
     dtype = models.parse_dtype(args.dtype)
     loaded = models.load(model, dtype)
-    reference = models.for_compute(loaded.model, device)
+    reference = None if args.no_kl else models.for_compute(loaded.model, device)
     candidates = {r["recipe"]: models.for_compute(models.load(r["output"], dtype).model, device) for r in reports}
     start = time.perf_counter()
     results = evaluate_many(candidates, loaded.tokenizer, "wikitext2", args.seqlen, args.windows, reference)
@@ -82,7 +84,12 @@ def main() -> None:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--keep", help="keep the exports in this folder (default: a temporary one)")
     parser.add_argument("--json", help="also write the raw reports here")
+    parser.add_argument("--no-kl", action="store_true", help="skip the dense reference (no KL, top-1 or dense row)")
+    parser.add_argument("--reuse", action="store_true", help="with --keep: score exports already there instead of "
+                                                             "compressing them again")
     args = parser.parse_args()
+    if args.reuse and not args.keep:
+        parser.error("--reuse needs --keep DIR (where the earlier exports are)")
 
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")
@@ -106,18 +113,25 @@ def main() -> None:
                 continue
             score(model, reports, args)
             raw += reports
-            rows.append([model, "dense", "16", "", "", "", "", f"{reports[0]['eval']['ref_ppl']:.3f}", "0", "1.000", "", ""])
+            if not args.no_kl:
+                rows.append([model, "dense", "16", "", "", "", "", f"{reports[0]['eval']['ref_ppl']:.3f}", "0", "1.000",
+                             "", ""])
             for r in reports:
                 e = r["eval"]
                 rows.append([model, r["method"], fmt(r["bits_per_weight"], ".2f"), fmt(r.get("sparsity"), ".1%"),
                              fmt(r.get("params_kept"), ".1%"), fmt(r.get("kv_bytes_per_token"), ",.0f"),
-                             f"{r['size_mb']:.1f}", f"{e['ppl']:.3f}", f"{e['kl']:.4f}", f"{e['top1']:.3f}",
+                             f"{r['size_mb']:.1f}", f"{e['ppl']:.3f}", fmt(e['kl'], ".4f"), fmt(e['top1'], ".3f"),
                              f"{r['compress_s']:.1f}", f"{r['peak_rss_gb']:.2f}"])
     head = ["model", "method", "bits/w", "sparsity", "params kept", "KV B/token", "size MB", "ppl", "KL", "top-1", "compress s", "peak RSS GB"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    print()
+    for r in raw:
+        extra = "".join(f"; {where}: loss {log['loss_first']:.4g} -> {log['loss_last']:.4g}"
+                        for where, log in r.get("training", {}).items() if "loss_first" in log)
+        print(f"{r['recipe']}: calibration {r['calibration']}{extra}")
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=2))
 

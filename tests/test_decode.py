@@ -79,3 +79,22 @@ def test_sampled_speculation_runs_and_is_reproducible():
     a = speculate(model, _prompt(), 30, PromptLookup(), sampling=sampling)
     b = speculate(model, _prompt(), 30, PromptLookup(), sampling=sampling)
     assert a.tokens == b.tokens and len(a.tokens) == 30
+
+
+def test_self_speculation_with_a_layer_subset_is_token_identical_and_leaves_the_model_whole():
+    from compress.decode import candidate_subsets, layer_subset, search_layers
+
+    model = tiny("llama", layers=4)
+    prompt = _prompt()
+    plain = greedy(model, prompt, 30)
+    for keep in ([0, 1], [0, 2, 3]):
+        result = speculate(model, prompt, 30, DraftModel(layer_subset(model, keep), threshold=0.0), k=4)
+        assert result.tokens == plain.tokens, keep
+        assert result.proposed > 0
+    assert len(model.model.layers) == 4 and greedy(model, prompt, 30).tokens == plain.tokens
+    with torch.no_grad():  # all layers kept: the view is the model
+        torch.testing.assert_close(layer_subset(model, [0, 1, 2, 3])(prompt).logits, model(prompt).logits,
+                                   rtol=0, atol=0)
+    assert all(s[0] == 0 for s in candidate_subsets(30))
+    best, trials = search_layers(model, [prompt], max_new_tokens=8)
+    assert best in [t["layers"] for t in trials] and len(trials) == len(candidate_subsets(4))

@@ -6,7 +6,7 @@ from tests.conftest import tiny
 
 
 @pytest.mark.parametrize("text,message", [
-    ("passes:\n  - foo: {}\n", "passes[0]: unknown pass 'foo'; known passes: awq, gptq, kv_cache, lorc, lowrank, magnitude, rtn, smoothquant, sparsegpt, wanda"),
+    ("passes:\n  - foo: {}\n", "passes[0]: unknown pass 'foo'; known passes: awq, blockwise, distill, gptq, kv_cache, lorc, lowrank, magnitude, qlora, rtn, smoothquant, sparsegpt, wanda"),
     ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits: Input should be 2, 3, 4 or 8"),
     ("passes:\n  - rtn: {bitz: 4}\n", "passes[0].rtn.bitz: unknown key"),
     ("passes:\n  - rtn: {group_size: 0}\n", "passes[0].rtn.group_size"),

@@ -65,7 +65,7 @@ class RecoveryOptions(PassOptions):
     train: list[Literal["scales", "norms", "weights", "lora"]] = ["scales", "norms"]
     steps: int = Field(200, gt=0)
     lr: float = Field(1e-3, gt=0)  # scales (a multiplier starting at 1), norms and LoRA factors
-    weight_lr: float = Field(1e-5, gt=0)  # raw weights, which are ~100x smaller than a scale multiplier
+    weight_lr: float = Field(3e-5, gt=0)  # raw weights, which are ~100x smaller than a scale multiplier
     batch: int = Field(1, gt=0)  # calibration samples per step
 
     @field_validator("train")

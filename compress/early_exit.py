@@ -1,0 +1,117 @@
+"""Confidence-based early exit for greedy decoding (CALM, Schuster et al. 2022). Lossy.
+
+At each exit layer the token's confidence is measured: ``softmax`` (the top probability of
+the final norm + lm_head applied to the hidden state) or ``saturation`` (cosine similarity of
+the hidden state before and after the layer, which needs no lm_head). Once it reaches the
+threshold the token is emitted from that layer. Later tokens still attend to every layer:
+each skipped layer runs its attention on the exit state (CALM's state propagation), which
+writes that layer's K/V to the cache; only its MLP is skipped. ``calibrate`` picks the
+threshold that keeps top-1 agreement with the full model above a target on calibration text.
+
+Llama-style blocks only (llama, qwen2/3, mistral): Gemma-3's per-layer masks are not wired.
+As a lossless proposer, the same idea is early-exit drafting: ``decode.layer_subset``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+from .decode import DecodeError, DecodeResult, _device, _sync
+
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+Measure = Literal["softmax", "saturation"]
+
+
+def _check(model) -> None:
+    if model.config.model_type not in SUPPORTED:
+        raise DecodeError(f"early exit supports {', '.join(SUPPORTED)} blocks, not {model.config.model_type}")
+
+
+def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
+    return model.lm_head(model.model.norm(hidden)).float()
+
+
+def _confidence(model, before: torch.Tensor, after: torch.Tensor, measure: Measure) -> torch.Tensor:
+    if measure == "softmax":
+        return torch.softmax(_logits(model, after), -1).amax(-1)
+    return F.cosine_similarity(before.float(), after.float(), dim=-1)
+
+
+def default_exits(count: int) -> list[int]:
+    """Exit points at half and three quarters of the depth (each softmax check costs an lm_head)."""
+    return sorted({count // 2 - 1, (3 * count) // 4 - 1})
+
+
+@torch.no_grad()
+def early_exit_greedy(model, prompt: torch.Tensor, max_new_tokens: int, threshold: float, exits: list[int],
+                      measure: Measure = "softmax", eos: set[int] = frozenset(), cache=None) -> DecodeResult:
+    """Greedy decoding that leaves a token's forward at the first exit layer where it is confident.
+
+    ``extra["mean_layers"]``: layers run in full per generated token, on average.
+    """
+    _check(model)
+    device, start = _device(model), time.perf_counter()
+    inner, layers = model.model, model.model.layers
+    exits = {i for i in exits if 0 <= i < len(layers) - 1}
+    cache = cache if cache is not None else DynamicCache(config=model.config)
+    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+    tokens, depths = [], []
+    while True:
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in eos or len(tokens) >= max_new_tokens:
+            break
+        position = torch.tensor([[cache.get_seq_length()]], device=device)
+        hidden = inner.embed_tokens(torch.tensor([[token]], device=device))
+        rotary = inner.rotary_emb(hidden, position_ids=position)
+        exited = None
+        for i, layer in enumerate(layers):
+            kw = dict(attention_mask=None, position_ids=position, past_key_values=cache, use_cache=True,
+                      position_embeddings=rotary)
+            if exited is not None:  # only the attention, on the exit state: the cache stays complete
+                layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kw)
+                continue
+            before, hidden = hidden, layer(hidden, **kw)
+            if i in exits and _confidence(model, before, hidden, measure).item() >= threshold:
+                exited = i
+        logits = _logits(model, hidden)[0, -1]
+        depths.append(len(layers) if exited is None else exited + 1)
+    _sync(device)
+    result = DecodeResult(tokens, len(tokens), time.perf_counter() - start)
+    result.extra["mean_layers"] = sum(depths) / max(1, len(depths))
+    return result
+
+
+@torch.no_grad()
+def calibrate(model, ids: torch.Tensor, exits: list[int], measure: Measure = "softmax",
+              target: float = 0.9) -> dict:
+    """The lowest threshold whose simulated exits agree with the full model's top-1 on at least
+    ``target`` of the tokens of ``ids`` (rows of calibration text), with what it saves.
+
+    The simulation reads each layer's hidden states from one full forward, so skipped layers'
+    K/V are the full model's: decoding sees slightly worse states, hence a margin in ``target``.
+    """
+    _check(model)
+    ids = ids.to(_device(model))
+    out = model(input_ids=ids, output_hidden_states=True)
+    final = out.logits.argmax(-1)
+    states, count = out.hidden_states, len(model.model.layers)  # states[i + 1] leaves layer i
+    exits = sorted(i for i in exits if 0 <= i < count - 1)
+    conf = torch.stack([_confidence(model, states[i], states[i + 1], measure) for i in exits])
+    agree = torch.stack([_logits(model, states[i + 1]).argmax(-1) == final for i in exits])
+    best = {"threshold": float("inf"), "agreement": 1.0, "mean_layers": float(count)}
+    grid = torch.linspace(0.5, 1.0, 51).tolist() if measure == "softmax" else torch.linspace(0.9, 1.0, 101).tolist()
+    for t in sorted(grid, reverse=True):
+        leaves = conf >= t
+        first = torch.where(leaves.any(0), leaves.float().argmax(0), -1)  # index into exits, -1: no exit
+        agreement = torch.where(first >= 0, agree.gather(0, first.clamp(min=0).unsqueeze(0))[0], True)
+        depth = torch.where(first >= 0, torch.tensor(exits, device=first.device)[first.clamp(min=0)] + 1, count)
+        if agreement.float().mean() < target:
+            break
+        best = {"threshold": t, "agreement": agreement.float().mean().item(), "mean_layers": depth.float().mean().item()}
+    return best
