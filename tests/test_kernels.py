@@ -34,3 +34,37 @@ def test_unsupported_layers_stay_dense():
     assert kernels.use_int4_kernel(model) == 0
     compress_with(model := tiny("llama"), "  - rtn: {bits: 8, group_size: 32}\n")
     assert kernels.use_int4_kernel(model) == 0
+
+
+def test_int8_kernel_matches_fake_quantized_w8a8_in_process_and_from_the_export(tmp_path):
+    model = tiny("llama")
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    calibration = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    recipe = compress_with(model, "  - smoothquant: {alpha: 0.5}\n  - rtn: {bits: 8, group_size: -1}\n", calibration)
+    with torch.no_grad():
+        fake = model(ids).logits
+    out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
+    assert kernels.use_int8_kernel(model) == 14
+    assert isinstance(model.model.layers[1].self_attn.q_proj, kernels.Int8Linear)
+    reloaded = models.for_compute(models.load_model(out, torch.float32), torch.device("cpu"))
+    assert kernels.use_int8_kernel(reloaded) == 14
+    with torch.no_grad():  # int32 sums are exact, fp32 ones are not: a later activation on a rounding
+        # boundary can land on the neighbouring integer, hence 1e-3 rather than float epsilon
+        torch.testing.assert_close(model(ids).logits, fake, atol=1e-3, rtol=0)
+        torch.testing.assert_close(reloaded(ids).logits, fake, atol=1e-3, rtol=0)
+    assert greedy(reloaded, ids, 12).tokens == greedy(model, ids, 12).tokens
+    assert kernels.use_int8_kernel(tiny("llama")) == 0  # nothing quantized: nothing swapped
+
+
+@pytest.mark.skipif(not kernels.onednn_available(), reason="this torch has no oneDNN")
+def test_onednn_linears_compute_what_the_model_computes():
+    model = tiny("llama")
+    prompt = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(prompt).logits
+    plain = greedy(model, prompt, 12).tokens
+    assert kernels.use_onednn(model) == 15  # 14 block linears and the lm_head
+    assert model.lm_head.weight is None and model.model.layers[0].mlp.up_proj.weight is not None
+    with torch.no_grad():  # multi-row (oneDNN) and single-row (MKL) paths both
+        torch.testing.assert_close(model(prompt).logits, before, atol=1e-5, rtol=1e-5)
+    assert greedy(model, prompt, 12).tokens == plain
