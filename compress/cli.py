@@ -82,6 +82,10 @@ def _decode(args) -> None:
     if args.kernel == "auto" and device.type == "cpu" and Path(args.model).is_dir():
         if kernels.attach_from_export(model, args.model) and (n := kernels.use_int4_kernel(model)):
             kernel = f"int4 kernel (_weight_int4pack_mm_for_cpu) on {n} linears"
+        elif n := kernels.use_int8_kernel(model):
+            kernel = f"int8 kernel (_int_mm, per-token int8 activations) on {n} linears"
+    if args.kernel == "auto" and device.type == "cpu" and (n := kernels.use_onednn(model)):
+        kernel += f"; {n} fp32 linears on oneDNN for multi-token forwards"
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
     sampling = decode.Sampling(args.temperature, args.top_p, args.seed)
@@ -94,6 +98,12 @@ def _decode(args) -> None:
         if not sampling.greedy or cache is not None:
             raise decode.DecodeError("--method early-exit is greedy with a full-precision cache; drop --temperature")
         result = _early_exit(args, model, tokenizer, prompt, eos)
+    elif args.method == "lookahead":
+        from .lookahead import lookahead
+
+        if not sampling.greedy or cache is not None:
+            raise decode.DecodeError("--method lookahead is greedy with a full-precision cache; drop --temperature")
+        result = lookahead(model, prompt, args.max_new_tokens, args.window, args.ngram, args.guesses, eos)
     else:
         if cache is not None:
             raise decode.DecodeError(f"{args.model} has a quantized KV cache; speculative methods cannot roll it back "
@@ -116,7 +126,8 @@ def _decode(args) -> None:
 
 
 def _draft_layers(args, model, tokenizer, device) -> list[int]:
-    """``--layers`` as given, or searched (``auto``) on two wikitext calibration prompts."""
+    """``--layers`` as given, or (``auto``) the subset saved with the checkpoint, else searched on
+    two wikitext calibration prompts and saved next to the checkpoint's weights for next time."""
     from . import decode
     from .arch import decoder_layers
     from .data import calibration_batches
@@ -124,14 +135,18 @@ def _draft_layers(args, model, tokenizer, device) -> list[int]:
     count = len(decoder_layers(model))
     if args.layers != "auto":
         return decode.parse_layers(args.layers, count)
+    if (keep := decode.saved_layers(args.model, count)) is not None:
+        print(f"[self-spec: drafting with layers {_ranges(keep)}, saved with {args.model}]", file=sys.stderr)
+        return keep
     ids, _ = calibration_batches(model, tokenizer, "wikitext2", 2, 64, seed=0)
     keep, trials = decode.search_layers(model, [row.unsqueeze(0).to(device) for row in ids], k=args.k,
                                         threshold=args.threshold)
     for t in trials:
         print(f"[self-spec search: {len(t['layers'])}/{count} layers {_ranges(t['layers'])}: "
               f"{t['tokens_per_s']:.1f} tokens/s, {t['tokens_per_forward']:.2f} tokens per forward]", file=sys.stderr)
-    print(f"[self-spec: drafting with layers {_ranges(keep)}; pass --layers {_ranges(keep)} to skip the search]",
-          file=sys.stderr)
+    saved = decode.save_layers(args.model, keep, trials)
+    where = f"saved in {saved}" if saved else f"pass --layers {_ranges(keep)} to skip the search"
+    print(f"[self-spec: drafting with layers {_ranges(keep)}; {where}]", file=sys.stderr)
     return keep
 
 
@@ -213,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("decode", help="generate from a model or export; greedy or speculative")
     p.add_argument("model", help="exported folder, local HF folder or alias")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--method", choices=["greedy", "prompt-lookup", "draft", "self-spec", "early-exit"],
+    p.add_argument("--method", choices=["greedy", "prompt-lookup", "draft", "self-spec", "lookahead", "early-exit"],
                    default="prompt-lookup", help="all but early-exit are lossless: greedy output, or the target's "
                                                  "sampling distribution")
     p.add_argument("--layers", default="auto", help="self-spec: the layers that draft, e.g. 0-11 or 0-14,16,18 "
@@ -222,6 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-threshold", default="auto", help="early-exit: confidence needed to leave early "
                                                              "(auto: calibrated for 90%% top-1 agreement)")
     p.add_argument("--exit-measure", choices=["softmax", "saturation"], default="softmax")
+    p.add_argument("--window", type=int, default=5, help="lookahead: Jacobi window width W (paper: 15 on GPUs)")
+    p.add_argument("--ngram", type=int, default=4, help="lookahead: n-gram size N (paper: 5)")
+    p.add_argument("--guesses", type=int, default=5, help="lookahead: pool candidates verified per step G (paper: 15)")
     p.add_argument("--k", type=int, default=8, help="most candidates verified per target forward")
     p.add_argument("--threshold", type=float, default=0.4, help="draft model: stop drafting below this probability")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -230,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--kernel", choices=["auto", "dense"], default="auto",
-                   help="auto: W4 exports run on torch's int4 CPU kernel where it applies; dense: dequantized")
+                   help="auto: on the CPU, W4 exports run on torch's int4 kernel and W8A8 exports on its int8 "
+                        "matmul where they apply, fp32 linears verify on oneDNN; dense: plain torch linears")
     common(p)
     p.set_defaults(func=_decode)
 

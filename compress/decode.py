@@ -15,14 +15,18 @@ Proposers (``propose(context, k) -> (tokens, draft probabilities or None)``):
   target works), drafting greedily while it is confident.
 - Self-speculation: ``DraftModel(layer_subset(target, keep))``, the target itself with only
   some decoder layers run (Draft & Verify's layer skipping; the first ``n`` layers is
-  early-exit drafting as in LayerSkip). ``search_layers`` picks ``keep`` by measured speed.
+  early-exit drafting as in LayerSkip). ``search_layers`` picks ``keep`` by measured speed;
+  ``save_layers`` keeps the choice with the checkpoint.
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache
@@ -278,6 +282,27 @@ def candidate_subsets(count: int) -> list[list[int]]:
     for start in (count // 2, count // 3):
         subsets.append([i for i in range(count) if i < start or (i - start) % 2 == 0])
     return subsets
+
+
+SAVED_LAYERS = "self_spec_layers.json"  # next to a checkpoint's weights: the searched subset
+
+
+def saved_layers(folder: str | Path, count: int) -> list[int] | None:
+    """The layer subset a search saved with this checkpoint, if any."""
+    path = Path(folder) / SAVED_LAYERS
+    return parse_layers(json.loads(path.read_text())["layers"], count) if path.is_file() else None
+
+
+def save_layers(folder: str | Path, keep: list[int], trials: list[dict]) -> Path | None:
+    """Write the searched subset (and what each candidate measured) next to the checkpoint,
+    atomically; None when ``folder`` is not a writable folder (e.g. a model alias)."""
+    folder = Path(folder)
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        return None
+    tmp = folder / (SAVED_LAYERS + ".tmp")
+    tmp.write_text(json.dumps({"layers": ",".join(map(str, keep)), "trials": trials}, indent=1))
+    os.replace(tmp, folder / SAVED_LAYERS)
+    return folder / SAVED_LAYERS
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ import time
 import torch
 
 from compress import data, early_exit, kernels, models
+from compress.lookahead import lookahead
 from compress.arch import decoder_layers
 from compress.decode import DraftModel, PromptLookup, greedy, layer_subset, parse_layers, search_layers, speculate
 
@@ -70,13 +71,27 @@ def main() -> None:
                         help="early-exit drafting (ours and transformers') drafts with the layers below this one")
     parser.add_argument("--w4", help="a W4 export (e.g. of awq-w4): greedy with its weights dequantized to fp32, "
                                       "and on torch's int4 CPU kernel")
+    parser.add_argument("--w8a8", help="a W8A8 export (e.g. of smoothquant-w8a8): greedy with fake-quantized "
+                                        "activations (as evaluated), and on torch's int8 matmul")
     parser.add_argument("--self-layers", help="also self-speculate with these layers (e.g. 0-14,16,18), or auto: "
                                               "searched for speed on two calibration prompts")
+    parser.add_argument("--lookahead", nargs="*", default=["15,5,15", "5,4,5"], metavar="W,N,G",
+                        help="lookahead decoding rows: window, n-gram size, guesses (default: the paper's and ours)")
+    parser.add_argument("--linear", choices=["onednn", "mkl"], default="onednn",
+                        help="fp32 linears of every model: oneDNN for multi-token forwards (kernels.use_onednn), "
+                             "or torch's default (MKL)")
     args = parser.parse_args()
 
     device = models.pick_device(args.device)
     loaded = models.load(args.model, torch.bfloat16)
     model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
+
+    def linears(m):  # before any layer-subset view is taken: views share the swapped modules
+        if args.linear == "onednn" and device.type == "cpu":
+            kernels.use_onednn(m)
+        return m
+
+    model = linears(model)
     eos = set(tokenizer.convert_tokens_to_ids([tokenizer.eos_token])) | set(
         [model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int)
         else model.generation_config.eos_token_id or [])
@@ -91,6 +106,10 @@ def main() -> None:
         f"early-exit drafting (ours, layer {args.exit_layer})":
             lambda p: _ours(speculate(model, p, n, DraftModel(first_layers), k=8, eos=eos)),
     }
+    for spec in args.lookahead:
+        w, ng, g = map(int, spec.split(","))
+        methods[f"lookahead (ours, W={w} N={ng} G={g})"] = \
+            lambda p, w=w, ng=ng, g=g: _ours(lookahead(model, p, n, w, ng, g, eos=eos))
     first_layers = layer_subset(model, list(range(args.exit_layer)))
     if args.self_layers:
         count = len(decoder_layers(model))
@@ -103,7 +122,7 @@ def main() -> None:
         methods[f"layer-skip self-speculation (ours, {len(keep)}/{count} layers)"] = \
             lambda p: _ours(speculate(model, p, n, DraftModel(skipping), k=8, eos=eos))
     if args.draft:
-        draft = models.for_compute(models.load(args.draft, torch.bfloat16).model, device)
+        draft = linears(models.for_compute(models.load(args.draft, torch.bfloat16).model, device))
         methods["draft model (ours)"] = lambda p: _ours(speculate(model, p, n, DraftModel(draft), k=6, eos=eos))
         methods["assisted (transformers, same draft)"] = lambda p: run_hf(model, p, n, eos, assistant_model=draft)
 
@@ -117,15 +136,24 @@ def main() -> None:
         int4 = copy.deepcopy(dequantized)
         kernels.attach_from_export(int4, args.w4)
         swapped = kernels.use_int4_kernel(int4)
+        dequantized, int4 = linears(dequantized), linears(int4)
         methods["greedy, W4 export dequantized to fp32 (ours)"] = lambda p: _ours(greedy(dequantized, p, n, eos))
         methods[f"greedy, W4 export on the int4 kernel, {swapped} linears (ours)"] = \
             lambda p: _ours(greedy(int4, p, n, eos))
         methods["prompt lookup, W4 export on the int4 kernel (ours, k=10)"] = \
             lambda p: _ours(speculate(int4, p, n, PromptLookup(), k=10, eos=eos))
+    if args.w8a8:
+        fake = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)
+        int8 = copy.deepcopy(fake)
+        swapped8 = kernels.use_int8_kernel(int8)
+        fake, int8 = linears(fake), linears(int8)
+        methods["greedy, W8A8 export, fake-quantized in fp32 (ours)"] = lambda p: _ours(greedy(fake, p, n, eos))
+        methods[f"greedy, W8A8 export on _int_mm, {swapped8} linears (ours)"] = lambda p: _ours(greedy(int8, p, n, eos))
 
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")
-    print(f"model: {args.model}, computed in {next(model.parameters()).dtype}; {n} new tokens, greedy, batch 1\n")
+    print(f"model: {args.model}, computed in {next(model.parameters()).dtype}, fp32 linears on {args.linear}; "
+          f"{n} new tokens, greedy, batch 1\n")
     sets = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()}
     methods["greedy (ours)"](sets["open"][0][:, :32])  # warm-up
     rows = []

@@ -98,3 +98,66 @@ def test_self_speculation_with_a_layer_subset_is_token_identical_and_leaves_the_
     assert all(s[0] == 0 for s in candidate_subsets(30))
     best, trials = search_layers(model, [prompt], max_new_tokens=8)
     assert best in [t["layers"] for t in trials] and len(trials) == len(candidate_subsets(4))
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 3), (5, 4, 5), (2, 2, 1)])
+def test_lookahead_is_token_identical_to_greedy(shape):
+    from compress.lookahead import lookahead
+
+    model = tiny("llama", layers=3)
+    window, ngram, guesses = shape
+    for seed in range(3):
+        prompt = _prompt(seed=seed)
+        plain = greedy(model, prompt, 40)
+        result = lookahead(model, prompt, 40, window, ngram, guesses)
+        assert result.tokens == plain.tokens, (shape, seed)
+        assert result.forwards < plain.forwards  # the repeated motif gets verified in bulk
+
+
+def test_lookahead_mask_and_positions_reproduce_plain_causal_logits():
+    """Each window column and each candidate, run in one masked forward, scores exactly as the
+    same tokens run alone after the prefix."""
+    from compress.lookahead import _layout
+
+    model = tiny("llama")
+    prefix, rows, candidates = _prompt(), [[1, 2, 3], [4, 5, 6]], [[7, 8], [9, 10, 11]]
+    offsets, block = _layout(len(rows), 3, [len(c) for c in candidates])
+    ids = [12, *rows[0], *rows[1], *candidates[0], *candidates[1]]
+    t = prefix.shape[1]
+    mask = torch.zeros(len(ids), t + len(ids)).masked_fill_(~torch.cat([torch.ones(len(ids), t, dtype=torch.bool),
+                                                                         block], 1), torch.finfo(torch.float32).min)
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        model(prefix, past_key_values=cache)
+        joint = model(torch.tensor([ids]), position_ids=(t + offsets)[None], attention_mask=mask[None, None],
+                      past_key_values=cache).logits[0]
+
+        def alone(sequence):
+            return model(torch.cat([prefix, torch.tensor([sequence])], 1)).logits[0, t:]
+
+        torch.testing.assert_close(joint[1:4], alone([12, 1, 2, 3])[1:], rtol=1e-4, atol=1e-5)  # row 0
+        torch.testing.assert_close(joint[5], alone([12, 1, 2, 5])[-1], rtol=1e-4, atol=1e-5)  # row 1, column 1
+        torch.testing.assert_close(joint[7:9], alone([12, 7, 8])[1:], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(joint[9:12], alone([12, 9, 10, 11])[1:], rtol=1e-4, atol=1e-5)
+
+
+def test_lookahead_refuses_a_context_beyond_the_sliding_window():
+    from compress.decode import DecodeError
+    from compress.lookahead import lookahead
+
+    with pytest.raises(DecodeError, match="sliding window"):
+        lookahead(tiny("gemma3_text"), _prompt(), 20)
+
+
+def test_searched_layers_are_saved_with_the_checkpoint_and_read_back(tmp_path):
+    from compress.decode import DecodeError, save_layers, saved_layers, search_layers
+
+    model = tiny("llama", layers=4)
+    assert saved_layers(tmp_path, 4) is None
+    keep, trials = search_layers(model, [_prompt()], max_new_tokens=8)
+    assert save_layers(tmp_path, keep, trials) == tmp_path / "self_spec_layers.json"
+    assert saved_layers(tmp_path, 4) == keep
+    assert save_layers(tmp_path / "no-such-folder", keep, trials) is None  # an alias, not a folder
+    save_layers(tmp_path, [0, 2, 3], trials)
+    with pytest.raises(DecodeError, match="layers 0-1"):
+        saved_layers(tmp_path, 2)  # saved for a deeper model

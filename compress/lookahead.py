@@ -1,0 +1,156 @@
+"""Lookahead decoding (Fu et al. 2024): no draft model, the target guesses its own future.
+
+Every step is one target forward over three groups of tokens, separated by an attention mask:
+
+- the token the target chose last (``next``, at position ``t``);
+- the lookahead window: ``rows`` past Jacobi iterations (up to ``ngram - 1``) of guesses for
+  the ``window`` positions after it. Row ``r``, column ``j`` sits at position ``t + 1 + j + r``
+  and sees row 0 up to column ``j`` and rows ``1..r`` of its own column: one sequence with
+  contiguous positions. Its prediction becomes row ``r + 1`` of the next step (a Jacobi
+  update), and each full column plus the last row's prediction is an ``ngram``-gram for the pool;
+- the verification branch: up to ``guesses`` (``ngram - 1``)-token continuations of ``next``
+  from the pool, each seeing only itself. The longest one the target agrees with is kept
+  (greedy, so the output is the target's greedy output); the KV cache keeps the entries of
+  ``next`` and of the accepted tokens and drops the rest.
+
+The prompt seeds the pool, so on text that repeats its input this is prompt lookup with
+several candidates at once. Greedy only: the paper's sampling variant is not built.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+from transformers import DynamicCache
+
+from .decode import DecodeError, DecodeResult, _device, _forward, _sync
+
+
+class NgramPool:
+    """Continuations seen after each token, most recent last, at most ``size`` per token."""
+
+    def __init__(self, size: int):
+        self.size, self.table = size, {}
+
+    def add(self, key: int, rest: tuple[int, ...]) -> None:
+        entries = self.table.setdefault(key, OrderedDict())
+        entries.pop(rest, None)
+        entries[rest] = None
+        if len(entries) > self.size:
+            entries.popitem(last=False)
+
+    def get(self, key: int) -> list[tuple[int, ...]]:
+        return list(self.table.get(key, ()))
+
+    def seed(self, tokens: list[int], ngram: int) -> None:
+        for i in range(len(tokens) - ngram + 1):
+            self.add(tokens[i], tuple(tokens[i + 1 : i + ngram]))
+
+
+def _layout(rows: int, window: int, candidates: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(position offsets from ``t``, which new token may attend to which) for one step."""
+    offsets, allowed = [0], [[0]]
+    for r in range(rows):
+        for j in range(window):
+            offsets.append(1 + j + r)
+            sees = [1 + c for c in range(j + 1)] + [1 + q * window + j for q in range(1, r + 1)]
+            allowed.append([0, *sees])
+    start = 1 + rows * window
+    for length in candidates:
+        for i in range(length):
+            offsets.append(1 + i)
+            allowed.append([0, *range(start, start + i + 1)])
+        start += length
+    size = len(offsets)
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    for row, cols in enumerate(allowed):
+        mask[row, cols] = True
+    return torch.tensor(offsets), mask
+
+
+def _keep(cache, length: int, extra: list[int]) -> None:
+    """Cut every cache layer back to its first ``length`` entries plus the entries at ``extra``."""
+    for layer in cache.layers:
+        if extra:
+            index = torch.tensor(extra, device=layer.keys.device)
+            layer.keys = torch.cat([layer.keys[:, :, :length], layer.keys.index_select(2, index)], 2)
+            layer.values = torch.cat([layer.values[:, :, :length], layer.values.index_select(2, index)], 2)
+        else:
+            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+        if hasattr(layer, "cumulative_length"):
+            layer.cumulative_length = layer.keys.shape[-2]
+
+
+@torch.no_grad()
+def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 5, ngram: int = 4,
+              guesses: int = 5, eos: set[int] = frozenset(), seed: int = 0) -> DecodeResult:
+    """Greedy decoding with a ``window`` × ``ngram - 1`` Jacobi window and up to ``guesses``
+    pool candidates verified per forward. The paper's defaults are 15, 5, 15 (for GPUs)."""
+    if window < 1 or ngram < 2 or guesses < 0:
+        raise DecodeError("lookahead needs --window ≥ 1, --ngram ≥ 2 and --guesses ≥ 0")
+    device, start = _device(model), time.perf_counter()
+    cache = DynamicCache(config=model.config)
+    limit = min((getattr(layer, "sliding_window", None) or 1 << 62) for layer in cache.layers)
+    context = prompt.reshape(-1).tolist()
+    if len(context) + max_new_tokens + window * (ngram - 1) + guesses * (ngram - 1) >= limit:
+        raise DecodeError(f"lookahead decoding needs the whole context inside the model's sliding window ({limit} "
+                          "tokens): shorten the prompt or --max-new-tokens, or use --method prompt-lookup")
+    pool = NgramPool(guesses)
+    pool.seed(context, ngram)
+    generator = torch.Generator().manual_seed(seed)
+    rows = [[context[int(i)] for i in torch.randint(len(context), (window,), generator=generator)]]
+    dtype = next(model.parameters()).dtype
+    next_token = int(_forward(model, prompt, cache, device, all_logits=False)[-1].argmax())
+    tokens, forwards, proposed, accepted = [], 1, 0, 0
+    while True:
+        tokens.append(next_token)
+        context.append(next_token)
+        if next_token in eos or len(tokens) >= max_new_tokens:
+            break
+        room = max_new_tokens - len(tokens) - 1  # the bonus token needs a place too
+        candidates = [c[:room] for c in pool.get(next_token)] if room > 0 else []
+        t = cache.get_seq_length()
+        offsets, block = _layout(len(rows), window, [len(c) for c in candidates])
+        ids = [next_token, *(tok for row in rows for tok in row), *(tok for c in candidates for tok in c)]
+        mask = torch.cat([torch.ones(len(ids), t, dtype=torch.bool), block], 1)
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+        out = model(input_ids=torch.tensor([ids], device=device), position_ids=(t + offsets).unsqueeze(0).to(device),
+                    attention_mask=mask[None, None].to(device), past_key_values=cache, use_cache=True)
+        choices = out.logits[0].argmax(-1).tolist()
+        forwards += 1
+
+        # Jacobi update of the window; a full window yields one n-gram per column
+        last = [choices[1 + (len(rows) - 1) * window + j] for j in range(window)]
+        if len(rows) == ngram - 1:
+            for j in range(window):
+                pool.add(rows[0][j], tuple(row[j] for row in rows[1:]) + (last[j],))
+            rows = rows[1:]
+        rows.append(last)
+
+        # verification: the candidate the target agrees with longest
+        best, best_n, best_next, best_begin = None, 0, choices[0], 0
+        begin = len(ids) - sum(map(len, candidates))
+        for c in candidates:
+            n, choice = 0, choices[0]
+            while n < len(c) and c[n] == choice:
+                choice = choices[begin + n]
+                n += 1
+            if n > best_n:
+                best, best_n, best_next, best_begin = c, n, choice, begin
+            begin += len(c)
+        proposed, accepted = proposed + (len(candidates[0]) if candidates else 0), accepted + best_n
+        kept = list(best[:best_n]) if best else []
+        _keep(cache, t + 1, [t + best_begin + i for i in range(best_n)] if kept else [])
+        next_token = best_next
+        stop = next((i for i, tok in enumerate(kept) if tok in eos), None)
+        if stop is not None:
+            tokens += kept[: stop + 1]
+            break
+        tokens += kept
+        context += kept
+        for i in range(max(0, len(context) - len(kept) - ngram + 1), len(context) - ngram + 1):
+            pool.add(context[i], tuple(context[i + 1 : i + ngram]))  # the output seeds the pool too
+    _sync(device)
+    return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted)
