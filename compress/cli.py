@@ -80,10 +80,16 @@ def _decode(args) -> None:
     prompt = prompt.to(device)
     kernel = "dense matmuls"
     if args.kernel == "auto" and device.type == "cpu" and Path(args.model).is_dir():
-        if kernels.attach_from_export(model, args.model) and (n := kernels.use_int4_kernel(model)):
-            kernel = f"int4 kernel (_weight_int4pack_mm_for_cpu) on {n} linears"
-        elif n := kernels.use_int8_kernel(model):
-            kernel = f"int8 kernel (_int_mm, per-token int8 activations) on {n} linears"
+        kernels.attach_from_export(model, args.model)
+        for kind, name, swap in (("int4", "_weight_int4pack_mm_for_cpu", kernels.use_int4_kernel),
+                                 ("int8", "_int_mm, per-token int8 activations", kernels.use_int8_kernel)):
+            if (timing := kernels.probe(model, kind)) is None:
+                continue
+            if timing[0] < timing[1]:
+                kernel = f"{kind} kernel ({name}) on {swap(model)} linears"
+            else:
+                kernel = (f"dense matmuls: the {kind} kernel took {timing[0]:.2f} ms per linear against "
+                          f"{timing[1]:.2f} ms on this CPU")
     if args.kernel == "auto" and device.type == "cpu" and (n := kernels.use_onednn(model)):
         kernel += f"; {n} fp32 linears on oneDNN for multi-token forwards"
     eos = model.generation_config.eos_token_id
@@ -237,8 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--exit-threshold", default="auto", help="early-exit: confidence needed to leave early "
                                                              "(auto: calibrated for 90%% top-1 agreement)")
     p.add_argument("--exit-measure", choices=["softmax", "saturation"], default="softmax")
-    p.add_argument("--window", type=int, default=5, help="lookahead: Jacobi window width W (paper: 15 on GPUs)")
-    p.add_argument("--ngram", type=int, default=4, help="lookahead: n-gram size N (paper: 5)")
+    p.add_argument("--window", type=int, default=3, help="lookahead: Jacobi window width W (paper: 15 on GPUs)")
+    p.add_argument("--ngram", type=int, default=3, help="lookahead: n-gram size N (paper: 5)")
     p.add_argument("--guesses", type=int, default=5, help="lookahead: pool candidates verified per step G (paper: 15)")
     p.add_argument("--k", type=int, default=8, help="most candidates verified per target forward")
     p.add_argument("--threshold", type=float, default=0.4, help="draft model: stop drafting below this probability")
@@ -249,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--kernel", choices=["auto", "dense"], default="auto",
                    help="auto: on the CPU, W4 exports run on torch's int4 kernel and W8A8 exports on its int8 "
-                        "matmul where they apply, fp32 linears verify on oneDNN; dense: plain torch linears")
+                        "matmul where they apply and a quick timing finds them faster, fp32 linears verify on "
+                        "oneDNN; dense: plain torch linears")
     common(p)
     p.set_defaults(func=_decode)
 

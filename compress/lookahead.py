@@ -84,10 +84,11 @@ def _keep(cache, length: int, extra: list[int]) -> None:
 
 
 @torch.no_grad()
-def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 5, ngram: int = 4,
+def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3, ngram: int = 3,
               guesses: int = 5, eos: set[int] = frozenset(), seed: int = 0) -> DecodeResult:
     """Greedy decoding with a ``window`` × ``ngram - 1`` Jacobi window and up to ``guesses``
-    pool candidates verified per forward. The paper's defaults are 15, 5, 15 (for GPUs)."""
+    pool candidates verified per forward. The paper's defaults are 15, 5, 15 (for GPUs); 3, 3, 5
+    was fastest of six shapes tried for SmolLM2-135M on a 2-core CPU."""
     if window < 1 or ngram < 2 or guesses < 0:
         raise DecodeError("lookahead needs --window ≥ 1, --ngram ≥ 2 and --guesses ≥ 0")
     device, start = _device(model), time.perf_counter()

@@ -75,11 +75,14 @@ def main() -> None:
                                         "activations (as evaluated), and on torch's int8 matmul")
     parser.add_argument("--self-layers", help="also self-speculate with these layers (e.g. 0-14,16,18), or auto: "
                                               "searched for speed on two calibration prompts")
-    parser.add_argument("--lookahead", nargs="*", default=["15,5,15", "5,4,5"], metavar="W,N,G",
+    parser.add_argument("--lookahead", nargs="*", default=["15,5,15", "3,3,5"], metavar="W,N,G",
                         help="lookahead decoding rows: window, n-gram size, guesses (default: the paper's and ours)")
     parser.add_argument("--linear", choices=["onednn", "mkl"], default="onednn",
                         help="fp32 linears of every model: oneDNN for multi-token forwards (kernels.use_onednn), "
                              "or torch's default (MKL)")
+    parser.add_argument("--sets", nargs="*", default=["grounded", "open"], choices=["grounded", "open"])
+    parser.add_argument("--only", nargs="*", help="run only the methods whose name contains one of these words "
+                                                  "(both greedy rows always run: they are the references)")
     args = parser.parse_args()
 
     device = models.pick_device(args.device)
@@ -150,12 +153,16 @@ def main() -> None:
         methods["greedy, W8A8 export, fake-quantized in fp32 (ours)"] = lambda p: _ours(greedy(fake, p, n, eos))
         methods[f"greedy, W8A8 export on _int_mm, {swapped8} linears (ours)"] = lambda p: _ours(greedy(int8, p, n, eos))
 
+    if args.only:
+        methods = {k: v for k, v in methods.items()
+                   if k.startswith("greedy (") or any(word in k for word in args.only)}
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")
     print(f"model: {args.model}, computed in {next(model.parameters()).dtype}, fp32 linears on {args.linear}; "
           f"{n} new tokens, greedy, batch 1\n")
-    sets = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()}
-    methods["greedy (ours)"](sets["open"][0][:, :32])  # warm-up
+    sets = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()
+            if name in args.sets}
+    methods["greedy (ours)"](next(iter(sets.values()))[0][:, :32])  # warm-up
     rows = []
     for set_name, ps in sets.items():
         results = {}
@@ -166,7 +173,8 @@ def main() -> None:
                 outputs.append(out)
                 seconds, forwards = seconds + s, forwards + (f or 0)
             results[name] = (outputs, sum(map(len, outputs)) / seconds, forwards)
-            print(f"{set_name:9s} {name:38s} {results[name][1]:6.1f} tok/s", file=sys.stderr, flush=True)
+            per_forward = f", {sum(map(len, outputs)) / forwards:.2f} tokens/forward" if forwards else ""
+            print(f"{set_name:9s} {name:38s} {results[name][1]:6.1f} tok/s{per_forward}", file=sys.stderr, flush=True)
         reference, ours, hf = results["greedy (ours)"][0], results["greedy (ours)"][1], \
             results["greedy (transformers generate)"][1]
         for name, (outputs, rate, forwards) in results.items():

@@ -68,3 +68,11 @@ def test_onednn_linears_compute_what_the_model_computes():
     with torch.no_grad():  # multi-row (oneDNN) and single-row (MKL) paths both
         torch.testing.assert_close(model(prompt).logits, before, atol=1e-5, rtol=1e-5)
     assert greedy(model, prompt, 12).tokens == plain
+
+
+def test_probe_times_a_kernel_against_the_current_linear():
+    model = tiny("llama")
+    assert kernels.probe(model, "int4") is None and kernels.probe(model, "int8") is None  # nothing quantized
+    compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n")
+    kernel_ms, dense_ms = kernels.probe(model, "int4")
+    assert kernel_ms > 0 and dense_ms > 0
