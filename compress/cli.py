@@ -107,9 +107,10 @@ def _decode(args) -> None:
     elif args.method == "lookahead":
         from .lookahead import lookahead
 
-        if not sampling.greedy or cache is not None:
-            raise decode.DecodeError("--method lookahead is greedy with a full-precision cache; drop --temperature")
-        result = lookahead(model, prompt, args.max_new_tokens, args.window, args.ngram, args.guesses, eos)
+        if cache is not None:
+            raise decode.DecodeError(f"{args.model} has a quantized KV cache; lookahead cannot prune it yet: "
+                                     "use --method greedy")
+        result = lookahead(model, prompt, args.max_new_tokens, args.window, args.ngram, args.guesses, eos, sampling)
     else:
         if cache is not None:
             raise decode.DecodeError(f"{args.model} has a quantized KV cache; speculative methods cannot roll it back "

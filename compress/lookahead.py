@@ -14,7 +14,9 @@ Every step is one target forward over three groups of tokens, separated by an at
   ``next`` and of the accepted tokens and drops the rest.
 
 The prompt seeds the pool, so on text that repeats its input this is prompt lookup with
-several candidates at once. Greedy only: the paper's sampling variant is not built.
+several candidates at once. With sampling, the candidates are verified by the rejection rule
+for several deterministic drafts (``accept_candidates``), so the output follows the target's
+distribution; the window keeps its greedy Jacobi updates (it only feeds the pool).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from collections import OrderedDict
 import torch
 from transformers import DynamicCache
 
-from .decode import DecodeError, DecodeResult, _device, _forward, _sync
+from .decode import DecodeError, DecodeResult, Sampling, _device, _forward, _sync
 
 
 class NgramPool:
@@ -83,12 +85,47 @@ def _keep(cache, length: int, extra: list[int]) -> None:
             layer.cumulative_length = layer.keys.shape[-2]
 
 
+def accept_candidates(candidates: list[list[int]], begins: list[int], logits: torch.Tensor, sampling: Sampling,
+                      generator: torch.Generator) -> tuple[int | None, int, int]:
+    """Verify several candidates at once, walking them as a tree.
+
+    At depth ``n`` the alive candidates share the accepted prefix, so any one's logits row is
+    the target's distribution there (row 0 before any token; row ``begin + n - 1`` after ``n``).
+    Greedy keeps the offered token equal to the argmax. Sampling tries the distinct offered
+    tokens in turn, keeping token ``t`` with probability ``p(t)`` and otherwise removing ``t``
+    from ``p`` and renormalising: the rejection rule for deterministic drafts, applied to
+    several, so the token kept or drawn follows ``p``.
+    Returns (a candidate holding the accepted prefix, or None; its length; the next token).
+    """
+    alive, n, row = list(range(len(candidates))), 0, 0
+    while True:
+        offered = [i for i in alive if len(candidates[i]) > n]
+        if sampling.greedy:
+            token = int(logits[row].argmax())
+        else:
+            p, token = sampling.probs(logits[row]).cpu(), None
+            for tok in dict.fromkeys(candidates[i][n] for i in offered):
+                if torch.rand((), generator=generator).item() < p[tok].item() or p[tok] >= p.sum():
+                    token = tok
+                    break
+                p[tok] = 0
+                p /= p.sum()
+            if token is None:
+                token = int(torch.multinomial(p, 1, generator=generator))
+        kept = [i for i in offered if candidates[i][n] == token]
+        if not kept:
+            return (alive[0] if n else None), n, token
+        alive, n = kept, n + 1
+        row = begins[alive[0]] + n - 1
+
+
 @torch.no_grad()
 def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3, ngram: int = 3,
-              guesses: int = 5, eos: set[int] = frozenset(), seed: int = 0) -> DecodeResult:
-    """Greedy decoding with a ``window`` × ``ngram - 1`` Jacobi window and up to ``guesses``
-    pool candidates verified per forward. The paper's defaults are 15, 5, 15 (for GPUs); 3, 3, 5
-    was fastest of six shapes tried for SmolLM2-135M on a 2-core CPU."""
+              guesses: int = 5, eos: set[int] = frozenset(), sampling: Sampling = Sampling()) -> DecodeResult:
+    """Decoding with a ``window`` × ``ngram - 1`` Jacobi window and up to ``guesses`` pool
+    candidates verified per forward: greedy (token-identical to greedy decoding) or sampled
+    (the target's distribution). The paper's defaults are 15, 5, 15 (for GPUs); 3, 3, 5 was
+    fastest of six shapes tried for SmolLM2-135M on a 2-core CPU."""
     if window < 1 or ngram < 2 or guesses < 0:
         raise DecodeError("lookahead needs --window ≥ 1, --ngram ≥ 2 and --guesses ≥ 0")
     device, start = _device(model), time.perf_counter()
@@ -100,10 +137,11 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
                           "tokens): shorten the prompt or --max-new-tokens, or use --method prompt-lookup")
     pool = NgramPool(guesses)
     pool.seed(context, ngram)
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(sampling.seed)  # the window's first guesses, and sampling
     rows = [[context[int(i)] for i in torch.randint(len(context), (window,), generator=generator)]]
     dtype = next(model.parameters()).dtype
-    next_token = int(_forward(model, prompt, cache, device, all_logits=False)[-1].argmax())
+    last_logits = _forward(model, prompt, cache, device, all_logits=False)[-1:]
+    _, _, next_token = accept_candidates([], [], last_logits, sampling, generator)
     tokens, forwards, proposed, accepted = [], 1, 0, 0
     while True:
         tokens.append(next_token)
@@ -119,32 +157,25 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
         mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
         out = model(input_ids=torch.tensor([ids], device=device), position_ids=(t + offsets).unsqueeze(0).to(device),
                     attention_mask=mask[None, None].to(device), past_key_values=cache, use_cache=True)
-        choices = out.logits[0].argmax(-1).tolist()
+        logits = out.logits[0]
         forwards += 1
 
-        # Jacobi update of the window; a full window yields one n-gram per column
-        last = [choices[1 + (len(rows) - 1) * window + j] for j in range(window)]
+        # Jacobi update of the window (greedy: it only feeds the pool); a full window yields one n-gram per column
+        first = 1 + (len(rows) - 1) * window
+        last = logits[first : first + window].argmax(-1).tolist()
         if len(rows) == ngram - 1:
             for j in range(window):
                 pool.add(rows[0][j], tuple(row[j] for row in rows[1:]) + (last[j],))
             rows = rows[1:]
         rows.append(last)
 
-        # verification: the candidate the target agrees with longest
-        best, best_n, best_next, best_begin = None, 0, choices[0], 0
-        begin = len(ids) - sum(map(len, candidates))
-        for c in candidates:
-            n, choice = 0, choices[0]
-            while n < len(c) and c[n] == choice:
-                choice = choices[begin + n]
-                n += 1
-            if n > best_n:
-                best, best_n, best_next, best_begin = c, n, choice, begin
-            begin += len(c)
-        proposed, accepted = proposed + (len(candidates[0]) if candidates else 0), accepted + best_n
-        kept = list(best[:best_n]) if best else []
-        _keep(cache, t + 1, [t + best_begin + i for i in range(best_n)] if kept else [])
-        next_token = best_next
+        begins = [len(ids) - sum(map(len, candidates))]
+        for c in candidates[:-1]:
+            begins.append(begins[-1] + len(c))
+        best, n, next_token = accept_candidates(candidates, begins, logits, sampling, generator)
+        proposed, accepted = proposed + (len(candidates[0]) if candidates else 0), accepted + n
+        kept = list(candidates[best][:n]) if n else []
+        _keep(cache, t + 1, [t + begins[best] + i for i in range(n)] if n else [])
         stop = next((i for i, tok in enumerate(kept) if tok in eos), None)
         if stop is not None:
             tokens += kept[: stop + 1]

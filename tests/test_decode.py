@@ -73,12 +73,42 @@ def test_sampling_rule_keeps_the_target_distribution(deterministic_draft):
     assert chi2 < 18.47, (counts / draws, chi2)
 
 
+def test_several_candidates_keep_the_target_distribution_at_every_depth():
+    """Lookahead's verification of several deterministic candidates (two share a first token):
+    chi-square of the first token against p0, and of the second given the first against that
+    prefix's distribution (5 categories, critical value 18.47 at p = 0.001; fixed seed)."""
+    from compress.lookahead import accept_candidates
+
+    p0 = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
+    after = {1: torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3]), 2: torch.tensor([0.3, 0.2, 0.1, 0.2, 0.2])}
+    candidates, begins = [[1, 3], [1, 4], [2, 0]], [1, 3, 5]  # ids: next, 1 3, 1 4, 2 0
+    rows = [p0, after[1], p0, after[1], p0, after[2], p0]  # the rows after a full candidate: unused here
+    logits = torch.stack(rows).log()
+    g, draws = torch.Generator().manual_seed(0), 8000
+    first, second = torch.zeros(5), {1: torch.zeros(5), 2: torch.zeros(5)}
+    for _ in range(draws):
+        best, n, nxt = accept_candidates(candidates, begins, logits, Sampling(temperature=1.0), g)
+        out = (candidates[best][:n] if n else []) + [nxt]
+        first[out[0]] += 1
+        if len(out) > 1:
+            second[out[0]][out[1]] += 1
+    for counts, p in [(first, p0), (second[1], after[1]), (second[2], after[2])]:
+        expected = p * counts.sum()
+        chi2 = ((counts - expected) ** 2 / expected).sum().item()
+        assert chi2 < 18.47, (counts / counts.sum(), chi2)
+    assert second[1].sum() == first[1] and second[2].sum() == first[2]  # a kept first token always gets a second
+
+
 def test_sampled_speculation_runs_and_is_reproducible():
     model = tiny("llama")
     sampling = Sampling(temperature=0.8, top_p=0.9, seed=3)
     a = speculate(model, _prompt(), 30, PromptLookup(), sampling=sampling)
     b = speculate(model, _prompt(), 30, PromptLookup(), sampling=sampling)
     assert a.tokens == b.tokens and len(a.tokens) == 30
+    from compress.lookahead import lookahead
+
+    a, b = (lookahead(model, _prompt(), 30, sampling=sampling) for _ in range(2))
+    assert a.tokens == b.tokens and len(a.tokens) == 30 and a.accepted > 0  # the repeated motif gets kept
 
 
 def test_self_speculation_with_a_layer_subset_is_token_identical_and_leaves_the_model_whole():
