@@ -8,12 +8,14 @@ each skipped layer runs its attention on the exit state (CALM's state propagatio
 writes that layer's K/V to the cache; only its MLP is skipped. ``calibrate`` picks the
 threshold that keeps top-1 agreement with the full model above a target on calibration text.
 
-Llama-style blocks only (llama, qwen2/3, mistral): Gemma-3's per-layer masks are not wired.
+Llama-style blocks (llama, qwen2/3, mistral) and Gemma-3 (rotary tables per layer type; its
+sliding layers need no mask for one new token, as the cache keeps only the window).
 As a lossless proposer, the same idea is early-exit drafting: ``decode.layer_subset``.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Literal
 
@@ -23,7 +25,7 @@ from transformers import DynamicCache
 
 from .decode import DecodeError, DecodeResult, _device, _sync
 
-SUPPORTED = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 Measure = Literal["softmax", "saturation"]
 
 
@@ -33,7 +35,18 @@ def _check(model) -> None:
 
 
 def _logits(model, hidden: torch.Tensor) -> torch.Tensor:
-    return model.lm_head(model.model.norm(hidden)).float()
+    logits = model.lm_head(model.model.norm(hidden)).float()
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    return logits if cap is None else torch.tanh(logits / cap) * cap
+
+
+def _rotary(inner, hidden: torch.Tensor, position: torch.Tensor) -> list:
+    """Each layer's rotary (cos, sin): Gemma-3 keeps one table per layer type (local, global)."""
+    if "layer_type" in inspect.signature(inner.rotary_emb.forward).parameters:
+        types = inner.config.layer_types
+        table = {t: inner.rotary_emb(hidden, position, t) for t in set(types)}
+        return [table[t] for t in types]
+    return [inner.rotary_emb(hidden, position_ids=position)] * len(inner.layers)
 
 
 def _confidence(model, before: torch.Tensor, after: torch.Tensor, measure: Measure) -> torch.Tensor:
@@ -68,11 +81,11 @@ def early_exit_greedy(model, prompt: torch.Tensor, max_new_tokens: int, threshol
             break
         position = torch.tensor([[cache.get_seq_length()]], device=device)
         hidden = inner.embed_tokens(torch.tensor([[token]], device=device))
-        rotary = inner.rotary_emb(hidden, position_ids=position)
+        rotary = _rotary(inner, hidden, position)
         exited = None
         for i, layer in enumerate(layers):
             kw = dict(attention_mask=None, position_ids=position, past_key_values=cache, use_cache=True,
-                      position_embeddings=rotary)
+                      position_embeddings=rotary[i])
             if exited is not None:  # only the attention, on the exit state: the cache stays complete
                 layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kw)
                 continue
