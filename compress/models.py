@@ -155,6 +155,10 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
             where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, local_files_only=local_only,
             **_dequantize_on_load(where),
         )
+        if getattr(model, "ct_decompress_hook", None) is not None:
+            # W8A8: compressed-tensors unpacks the int8 weights in a hook on the whole model's first
+            # forward; evaluation calls the body and the head apart, so unpack them now
+            model.hf_quantizer.compressor.decompress_model(model)
     if isinstance(where, Path) and (where / "adapter" / "adapter_config.json").exists():
         model = _merge_adapter(model, where / "adapter")
     if (kv := getattr(model.config, kvcache.CONFIG_KEY, None)) is not None:

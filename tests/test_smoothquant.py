@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from compress import models
 from compress.passes import RecipeError
 from compress.passes.smoothquant import SmoothQuant
 from compress.pipeline import run_sequential
@@ -78,6 +79,11 @@ def test_w8a8_export_reloads_in_transformers_with_the_same_logits(tmp_path):
     activations = next(iter(config["config_groups"].values()))
     assert activations["input_activations"]["strategy"] == "token" and activations["input_activations"]["dynamic"]
     assert torch.equal(_logits(reloaded), _logits(model))  # compressed-tensors quantizes the inputs as we do
+    ours = models.load_model(tmp_path / "x", torch.float32)  # our loader: usable before any whole-model forward
+    assert all(p.is_floating_point() for p in ours.parameters())
+    with torch.no_grad():
+        body = ours.model(IDS[:1]).last_hidden_state  # as evaluation calls it: body, then head
+        torch.testing.assert_close(ours.lm_head(body), _logits(model, IDS[:1]))
 
 
 def test_smoothquant_needs_8bit_weights_after_it():
