@@ -14,7 +14,7 @@ the int8 weight in int32 by ``torch._int_mm``, and rescaled by both scales.
 
 The integers come from the linear's ``quantized`` record: set by our passes in the same
 process, or read back from an export's packed tensors by ``attach_from_export``; a W8A8
-export loaded by transformers already holds its int8 weight and scale.
+export loaded by transformers holds its scale and the weight (as int8, or unpacked to q · scale).
 """
 
 from __future__ import annotations
@@ -89,12 +89,17 @@ def _w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | Non
         ok = qw.scheme.bits == 8 and qw.scheme.symmetric and qw.scale.shape[1] == 1 and act.bits == 8 and act.per_token
         return (qw.q, qw.scale) if ok else None
     scheme = getattr(linear, "quantization_scheme", None)
-    if linear.weight.dtype == torch.int8 and scheme is not None and scheme.input_activations is not None:
-        w, a = scheme.weights, scheme.input_activations
-        ok = (w.num_bits == 8 and w.symmetric and str(w.strategy).endswith("channel") and a.num_bits == 8
-              and a.symmetric and a.dynamic and str(a.strategy).endswith("token"))
-        return (linear.weight.data, linear.weight_scale.data) if ok else None
-    return None
+    if scheme is None or scheme.input_activations is None or not hasattr(linear, "weight_scale"):
+        return None
+    w, a = scheme.weights, scheme.input_activations
+    ok = (w.num_bits == 8 and w.symmetric and str(w.strategy).endswith("channel") and a.num_bits == 8
+          and a.symmetric and a.dynamic and str(a.strategy).endswith("token"))
+    if not ok:
+        return None
+    scale = linear.weight_scale.data
+    # ``models.load_model`` unpacks exports to float (q · scale); dividing back is exact for |q| ≤ 127
+    q = linear.weight.data if linear.weight.dtype == torch.int8 else torch.round(linear.weight.data / scale)
+    return q.to(torch.int8), scale
 
 
 def use_int8_kernel(model: nn.Module) -> int:
