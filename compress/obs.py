@@ -105,7 +105,9 @@ def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool):
     outputs; without, one forward observes every group of the block.
     """
     for stage in ([[g] for g in groups] if true_sequential else [groups]):
-        stats = data.observe(stage, Hessian)
+        # Later stages change only later linears, so o_proj's and down_proj's inputs stay valid:
+        # the next stages (and the block's final forward) rebuild attention and MLP outputs from them.
+        stats = data.observe(stage, Hessian, replay_after=true_sequential)
         for name in (n for g in stage for n in g):
             yield name, stats[name]
 

@@ -8,6 +8,7 @@ current block and one set of activations need to sit on the compute device.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Callable
 
@@ -22,22 +23,45 @@ class _Stop(Exception):
     pass
 
 
-class _Recorder(torch.nn.Module):
-    """Stands in for a decoder layer: records its call, then passes through or stops."""
+class _StandIn(torch.nn.Module):
+    """Takes a module's place; attributes the caller reads (such as attention_type) come from it."""
 
-    def __init__(self, layer: torch.nn.Module, on_call: Callable):
+    def __init__(self, module: torch.nn.Module):
         super().__init__()
-        self.layer = layer
-        self.on_call = on_call
+        self.module = module
 
-    def __getattr__(self, name):  # the model may read attributes such as attention_type
+    def __getattr__(self, name):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(self.layer, name)
+            return getattr(self.module, name)
+
+
+class _Recorder(_StandIn):
+    """Stands in for a decoder layer: records its call, then passes through or stops."""
+
+    def __init__(self, layer: torch.nn.Module, on_call: Callable):
+        super().__init__(layer)
+        self.on_call = on_call
 
     def forward(self, hidden_states, *args, **kwargs):
         return self.on_call(hidden_states, args, kwargs)
+
+
+class _Replay(_StandIn):
+    """Stands in for a module whose last op is ``linear`` (attention ends in o_proj, the MLP in
+    down_proj): its output is ``linear`` applied to that linear's input kept from an earlier
+    forward, so nothing before the linear is computed again. ``sample`` picks the input."""
+
+    def __init__(self, module: torch.nn.Module, linear: torch.nn.Module, inputs: list[torch.Tensor],
+                 tail: tuple | None):
+        super().__init__(module)
+        self.linear, self.inputs, self.tail = linear, inputs, tail
+        self.sample = 0
+
+    def forward(self, *args, **kwargs):
+        y = self.linear(self.inputs[self.sample])
+        return y if self.tail is None else (y, *self.tail)
 
 
 def _home(module: torch.nn.Module) -> torch.device:
@@ -101,7 +125,13 @@ def capture_inputs(model, ids: torch.Tensor, device: torch.device, dtype: torch.
 
 
 class BlockData:
-    """One block's calibration inputs and call arguments; runs the block over them."""
+    """One block's calibration inputs and call arguments; runs the block over them.
+
+    ``replay`` maps a module of the block (``self_attn``, ``mlp``) to a stand-in that
+    rebuilds its output from its last linear's kept inputs; forwards use them. Only
+    ``observe(..., replay_after=True)`` adds one, and ``run_sequential`` clears them
+    before each pass, so a stand-in never outlives the pass that vouched for it.
+    """
 
     def __init__(self, block: torch.nn.Module, inputs: list[torch.Tensor], call: tuple,
                  original: torch.nn.Module | None = None):
@@ -109,6 +139,21 @@ class BlockData:
         self.inputs = inputs
         self.args, self.kwargs = call
         self.original = original  # the block before any pass touched it, for passes with needs_original
+        self.replay: dict[str, _Replay] = {}
+
+    @contextlib.contextmanager
+    def _replays_in_place(self):
+        swapped = []
+        try:
+            for name, stand_in in self.replay.items():
+                owner_name, _, attr = name.rpartition(".")
+                owner = self.block.get_submodule(owner_name)
+                swapped.append((owner, attr, getattr(owner, attr)))
+                setattr(owner, attr, stand_in)
+            yield list(self.replay.values())
+        finally:
+            for owner, attr, module in reversed(swapped):
+                setattr(owner, attr, module)
 
     @torch.no_grad()
     def forward(self, hooks: dict[str, Callable] | None = None, stop_at: str | None = None) -> list[torch.Tensor]:
@@ -118,6 +163,10 @@ class BlockData:
         been seen (observing q/k/v needs only the input norm, not the whole block).
         """
         hooks = dict(hooks or {})
+        names = set(hooks) | ({stop_at} if stop_at else set())
+        hidden = [n for n in names for r in self.replay if n.startswith(r + ".")]
+        if hidden:
+            raise RuntimeError(f"cannot observe {hidden}: their module is replayed from kept inputs")
 
         def pre_hook(name):
             def fn(module, args):
@@ -128,26 +177,62 @@ class BlockData:
 
             return fn
 
-        names = set(hooks) | ({stop_at} if stop_at else set())
         handles = [self.block.get_submodule(n).register_forward_pre_hook(pre_hook(n)) for n in names]
         outputs = []
         try:
-            for x in self.inputs:
-                try:
-                    outputs.append(self.block(x, *self.args, **self.kwargs))
-                except _Stop:
-                    pass
+            with self._replays_in_place() as stand_ins:
+                for i, x in enumerate(self.inputs):
+                    for stand_in in stand_ins:
+                        stand_in.sample = i
+                    try:
+                        outputs.append(self.block(x, *self.args, **self.kwargs))
+                    except _Stop:
+                        pass
         finally:
             for h in handles:
                 h.remove()
         return outputs
 
-    def observe(self, groups, make_stat: Callable[[torch.nn.Module], object]) -> dict[str, object]:
+    @torch.no_grad()
+    def _output_tail(self, module: str, linear: str):
+        """If ``module``'s output is exactly ``linear``'s (checked on sample 0): None when it is
+        that tensor, the Nones after it when it is a tuple. ``False`` when it is not."""
+        seen = {}
+
+        def keep_input(mod, args):
+            seen["x"] = args[0]
+
+        def keep_output(mod, args, out):
+            seen["out"] = out
+
+        handles = [self.block.get_submodule(linear).register_forward_pre_hook(keep_input),
+                   self.block.get_submodule(module).register_forward_hook(keep_output)]
+        try:
+            with self._replays_in_place() as stand_ins:
+                for stand_in in stand_ins:
+                    stand_in.sample = 0
+                self.block(self.inputs[0], *self.args, **self.kwargs)
+        finally:
+            for h in handles:
+                h.remove()
+        out = seen.get("out")
+        head, tail = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, None)
+        if "x" not in seen or not isinstance(head, torch.Tensor) or any(t is not None for t in tail or ()):
+            return False
+        return tail if torch.equal(head, self.block.get_submodule(linear)(seen["x"])) else False
+
+    def observe(self, groups, make_stat: Callable[[torch.nn.Module], object],
+                replay_after: bool = False) -> dict[str, object]:
         """One forward over the data, feeding each group's input to one statistic.
 
         ``groups`` are tuples of linears that read the same input (q/k/v), given in
         forward order: they share one statistic, built by ``make_stat(first_linear)``
         and fed via ``.add(x)``. The forward stops at the last group.
+
+        ``replay_after`` (one group of one linear that ends its module, as o_proj ends the
+        attention): keep that linear's inputs, and let later forwards of this pass rebuild the
+        module's output from them instead of running it. The caller promises to change
+        nothing this pass that feeds the linear; the linear itself may change.
         """
         stats, hooks = {}, {}
         if not groups:  # every linear of this block is ignored
@@ -156,7 +241,18 @@ class BlockData:
             stat = make_stat(self.block.get_submodule(group[0]))
             hooks[group[0]] = stat.add
             stats.update({name: stat for name in group})
-        self.forward(hooks, stop_at=groups[-1][0])
+        linear = groups[-1][0]
+        module = linear.rpartition(".")[0]
+        kept, tail = None, False
+        if replay_after and self.inputs and len(groups) == 1 and len(groups[0]) == 1 and module:
+            tail = self._output_tail(module, linear)
+        if tail is not False:
+            kept, add = [], hooks[linear]
+            hooks[linear] = lambda x: (add(x), kept.append(x))
+        self.forward(hooks, stop_at=linear)
+        if kept is not None and len(kept) == len(self.inputs):
+            self.replay[module] = _Replay(self.block.get_submodule(module), self.block.get_submodule(linear),
+                                          kept, tail)
         return stats
 
 
@@ -179,6 +275,8 @@ def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device
         if inputs is not None or keep_original:  # without calibration data, only ``original`` is there
             data = BlockData(block, inputs or [], calls[i] if calls else ((), {}), original)
         for p in passes:
+            if data is not None:
+                data.replay = {}  # a pass's stand-ins are only valid until another pass changes the block
             p.apply(block, data, f"{prefix}{i}.")
         if inputs is not None and i + 1 < len(layers):
             inputs = data.forward()  # the next block sees what the compressed block produces

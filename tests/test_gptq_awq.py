@@ -24,6 +24,17 @@ def _out_err(X, W, qw):
     return (X @ dequantize(qw.q, qw.scale, qw.zero_point, torch.float32).T - X @ W.T).pow(2).mean().item()
 
 
+def test_hessian_accumulates_two_over_n_xtx_over_uneven_batches():
+    """The running average over batches of different sizes equals the product over all tokens."""
+    torch.manual_seed(0)
+    X = torch.randn(700, 300, dtype=torch.float64).float()
+    h = Hessian(torch.nn.Linear(300, 8))
+    for part in X.split([1, 255, 444]):
+        h.add(part)
+    assert h.n == 700
+    torch.testing.assert_close(h.H, 2 / 700 * X.double().T @ X.double(), rtol=1e-5, atol=1e-5, check_dtype=False)
+
+
 @pytest.mark.parametrize("scheme", [QuantScheme(4, 64, True), QuantScheme(3, -1, False), QuantScheme(2, 32, False)])
 @pytest.mark.parametrize("actorder", [False, True])
 def test_gptq_beats_rtn_on_layer_output(scheme, actorder):

@@ -63,3 +63,54 @@ def test_tied_export_round_trip(tmp_path):
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, model(ids).logits)
     assert not list(tmp_path.glob(".x.tmp-*"))  # no temporary folder left behind
+
+
+@pytest.mark.parametrize("recipe", ["  - gptq: {bits: 4, group_size: 32}\n",
+                                    "  - sparsegpt: {pattern: '2:4', quantize: {bits: 4, group_size: 32}}\n"])
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_replaying_attention_and_mlp_from_kept_inputs_changes_nothing(model_type, recipe, monkeypatch):
+    """True-sequential stages rebuild attention/MLP outputs from o_proj's and down_proj's kept
+    inputs instead of re-running them; the compressed weights are bit-identical to full forwards."""
+    from compress.pipeline import BlockData, _Replay
+
+    ids = torch.randint(0, 128, (3, 24))
+    replayed, calls = tiny(model_type, layers=2), []
+    replay_forward = _Replay.forward
+    monkeypatch.setattr(_Replay, "forward", lambda self, *a, **k: calls.append(1) or replay_forward(self, *a, **k))
+    compress_with(replayed, recipe, ids)
+    # Each of the 2 blocks replays its attention at the gate/up and down stages (and once on sample 0
+    # while checking that the MLP ends in down_proj); block 0's final forward replays both modules.
+    n = len(ids)
+    assert len(calls) == 2 * (2 * n + 1) + 2 * n
+    full = tiny(model_type, layers=2)
+    monkeypatch.setattr(BlockData, "_output_tail", lambda self, module, linear: False)  # never replay
+    compress_with(full, recipe, ids)
+    for (name, a), b in zip(replayed.state_dict().items(), full.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_no_replay_for_a_module_that_does_more_after_its_last_linear():
+    from compress.pipeline import BlockData
+
+    model = tiny("llama")
+    block = decoder_layers(model)[0]
+    data = BlockData(block, [torch.randn(1, 8, 64)], ((), {"position_embeddings": _rotary(model, 8)}))
+    assert data._output_tail("mlp", "mlp.down_proj") is None  # the MLP returns down_proj's output itself
+    assert data._output_tail("self_attn", "self_attn.o_proj") == (None,)  # (output, attention weights)
+    block.mlp.register_forward_hook(lambda module, args, out: out * 2)
+    assert data._output_tail("mlp", "mlp.down_proj") is False
+    data.observe([("mlp.down_proj",)], lambda lin: _Count(), replay_after=True)
+    assert "mlp" not in data.replay
+
+
+class _Count:
+    def __init__(self):
+        self.n = 0
+
+    def add(self, x):
+        self.n += 1
+
+
+def _rotary(model, length):
+    positions = torch.arange(length)[None]
+    return model.model.rotary_emb(torch.zeros(1, length, 64), positions)
