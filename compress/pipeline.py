@@ -150,14 +150,16 @@ class BlockData:
                 owner = self.block.get_submodule(owner_name)
                 swapped.append((owner, attr, getattr(owner, attr)))
                 setattr(owner, attr, stand_in)
-            yield list(self.replay.values())
+            yield
         finally:
             for owner, attr, module in reversed(swapped):
                 setattr(owner, attr, module)
 
     @torch.no_grad()
-    def forward(self, hooks: dict[str, Callable] | None = None, stop_at: str | None = None) -> list[torch.Tensor]:
-        """Run the block on every sample; ``hooks[name](x)`` sees each named module's input.
+    def forward(self, hooks: dict[str, Callable] | None = None, stop_at: str | None = None,
+                first: int | None = None) -> list[torch.Tensor]:
+        """Run the block on every sample (or the ``first`` few); ``hooks[name](x)`` sees each
+        named module's input.
 
         With ``stop_at``, each sample's forward ends once that module's input has
         been seen (observing q/k/v needs only the input norm, not the whole block).
@@ -180,9 +182,9 @@ class BlockData:
         handles = [self.block.get_submodule(n).register_forward_pre_hook(pre_hook(n)) for n in names]
         outputs = []
         try:
-            with self._replays_in_place() as stand_ins:
-                for i, x in enumerate(self.inputs):
-                    for stand_in in stand_ins:
+            with self._replays_in_place():
+                for i, x in enumerate(self.inputs[:first]):
+                    for stand_in in self.replay.values():
                         stand_in.sample = i
                     try:
                         outputs.append(self.block(x, *self.args, **self.kwargs))
@@ -199,22 +201,14 @@ class BlockData:
         that tensor, the Nones after it when it is a tuple. ``False`` when it is not."""
         seen = {}
 
-        def keep_input(mod, args):
-            seen["x"] = args[0]
-
         def keep_output(mod, args, out):
             seen["out"] = out
 
-        handles = [self.block.get_submodule(linear).register_forward_pre_hook(keep_input),
-                   self.block.get_submodule(module).register_forward_hook(keep_output)]
+        handle = self.block.get_submodule(module).register_forward_hook(keep_output)
         try:
-            with self._replays_in_place() as stand_ins:
-                for stand_in in stand_ins:
-                    stand_in.sample = 0
-                self.block(self.inputs[0], *self.args, **self.kwargs)
+            self.forward({linear: lambda x: seen.setdefault("x", x)}, first=1)
         finally:
-            for h in handles:
-                h.remove()
+            handle.remove()
         out = seen.get("out")
         head, tail = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, None)
         if "x" not in seen or not isinstance(head, torch.Tensor) or any(t is not None for t in tail or ()):
@@ -243,14 +237,14 @@ class BlockData:
             stats.update({name: stat for name in group})
         linear = groups[-1][0]
         module = linear.rpartition(".")[0]
-        kept, tail = None, False
-        if replay_after and self.inputs and len(groups) == 1 and len(groups[0]) == 1 and module:
-            tail = self._output_tail(module, linear)
+        one_linear = len(groups) == 1 and len(groups[0]) == 1 and module
+        tail = self._output_tail(module, linear) if replay_after and one_linear and self.inputs else False
+        kept = []
         if tail is not False:
-            kept, add = [], hooks[linear]
+            add = hooks[linear]
             hooks[linear] = lambda x: (add(x), kept.append(x))
         self.forward(hooks, stop_at=linear)
-        if kept is not None and len(kept) == len(self.inputs):
+        if tail is not False and len(kept) == len(self.inputs):
             self.replay[module] = _Replay(self.block.get_submodule(module), self.block.get_submodule(linear),
                                           kept, tail)
         return stats
