@@ -124,7 +124,8 @@ def _decode(args) -> None:
             proposer = decode.DraftModel(decode.layer_subset(model, _draft_layers(args, model, tokenizer, device)),
                                          args.threshold, sampling)
         else:
-            proposer = decode.PromptLookup()
+            cost = decode.default_token_cost(device) if args.token_cost == "auto" else args.token_cost
+            proposer = decode.PromptLookup(token_cost=cost)
         result = decode.speculate(model, prompt, args.max_new_tokens, proposer, args.k, sampling, eos)
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
     print(f"\n[{args.method}: {len(result.tokens)} tokens in {result.seconds:.2f} s, "
@@ -159,7 +160,7 @@ def _draft_layers(args, model, tokenizer, device) -> list[int]:
 
 def _early_exit(args, model, tokenizer, prompt, eos):
     """Lossy: the threshold is calibrated (``auto``) for 90% top-1 agreement on calibration text."""
-    from . import decode, early_exit
+    from . import early_exit
     from .arch import decoder_layers
     from .data import calibration_batches
 
@@ -172,13 +173,18 @@ def _early_exit(args, model, tokenizer, prompt, eos):
         print(f"[early exit: {args.exit_measure} threshold {threshold:.3f} at layers {exits} keeps "
               f"{found['agreement']:.1%} top-1 agreement on calibration text, {found['mean_layers']:.1f} layers per "
               "token on average]", file=sys.stderr)
-    try:
-        threshold = float(threshold)
-    except ValueError:
-        raise decode.DecodeError(f"--exit-threshold {threshold!r}: a number or auto") from None
     result = early_exit.early_exit_greedy(model, prompt, args.max_new_tokens, threshold, exits, args.exit_measure, eos)
     print(f"[early exit: {result.extra['mean_layers']:.1f} layers per token]", file=sys.stderr)
     return result
+
+
+def _auto_or_number(text: str) -> str | float:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: write a number or auto") from None
 
 
 def _ranges(layers: list[int]) -> str:
@@ -241,14 +247,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", default="auto", help="self-spec: the layers that draft, e.g. 0-11 or 0-14,16,18 "
                                                     "(default auto: searched for speed on two calibration prompts)")
     p.add_argument("--draft", help="draft model for --method draft (e.g. a compressed export of the same model)")
-    p.add_argument("--exit-threshold", default="auto", help="early-exit: confidence needed to leave early "
-                                                             "(auto: calibrated for 90%% top-1 agreement)")
+    p.add_argument("--exit-threshold", type=_auto_or_number, default="auto",
+                   help="early-exit: confidence needed to leave early (auto: calibrated for 90%% top-1 agreement)")
     p.add_argument("--exit-measure", choices=["softmax", "saturation"], default="softmax")
     p.add_argument("--window", type=int, default=3, help="lookahead: Jacobi window width W (paper: 15 on GPUs)")
     p.add_argument("--ngram", type=int, default=3, help="lookahead: n-gram size N (paper: 5)")
     p.add_argument("--guesses", type=int, default=5, help="lookahead: pool candidates verified per step G (paper: 15)")
     p.add_argument("--k", type=int, default=8, help="most candidates verified per target forward")
     p.add_argument("--threshold", type=float, default=0.4, help="draft model: stop drafting below this probability")
+    p.add_argument("--token-cost", type=_auto_or_number, default="auto",
+                   help="prompt-lookup: what one more token costs in a target forward, as a share of a one-token "
+                        "forward; fewer candidates are sent the dearer they are (auto: 0.05 on a CPU, 0 on a GPU; "
+                        "0 sends every match in full)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)

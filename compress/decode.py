@@ -174,21 +174,78 @@ def speculate(model, prompt: torch.Tensor, max_new_tokens: int, proposer, k: int
     return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted)
 
 
+def default_token_cost(device: torch.device) -> float:
+    """What one more token costs in a target forward, as a share of a one-token forward.
+
+    Measured on this CPU (SmolLM2, fp32 linears on oneDNN, after a 300-token prompt): 68 ms
+    for 1 token, 105 ms for 11, 126 ms for 17, so about 0.05 per token. On a GPU a few more
+    tokens ride along with the weight reads, so they are taken as free.
+    """
+    return 0.05 if device.type == "cpu" else 0.0
+
+
 class PromptLookup:
     """Candidates copied from the context: after the latest earlier occurrence of its last
-    ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``), take what followed."""
+    ``n`` tokens (``n`` from ``max_ngram`` down to ``min_ngram``), take what followed.
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+    Each candidate widens the target's forward, which a CPU charges for, so sending every
+    guess makes decoding slower where guesses are usually wrong. Every proposal, sent or not,
+    is scored against the tokens that really followed it. For each match length this gives
+    two running rates: ``first``, how often a match's first candidate is right, and ``rest``,
+    how often each later one is right once those before it were (a copied passage tends to
+    stay right). The proposer sends the L candidates that maximise expected tokens per unit of
+    forward cost, (1 + first·(1 + rest + … + rest^(L−1))) / (1 + token_cost·L), possibly none;
+    ``token_cost`` 0 sends every candidate, as plain prompt lookup does. Greedy output is the
+    same either way: only the speed differs.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, token_cost: float = 0.0, memory: float = 0.95):
+        self.max_ngram, self.min_ngram, self.token_cost, self.memory = max_ngram, min_ngram, token_cost, memory
+        lengths = range(min_ngram, max_ngram + 1)
+        self.hits = {n: [1.0, 1.0] for n in lengths}  # [first, rest]; prior: both 1/2
+        self.tries = {n: [2.0, 2.0] for n in lengths}
+        self.pending = []  # (context position, candidates, n) not yet scored
+
+    def rates(self, n: int) -> tuple[float, float]:
+        """(first, rest): the running shares of ``n``-token matches' candidates the output confirmed."""
+        return self.hits[n][0] / self.tries[n][0], self.hits[n][1] / self.tries[n][1]
+
+    def worth_sending(self, n: int, available: int) -> int:
+        """How many of ``available`` candidates from an ``n``-token match pay for their forward cost."""
+        first, rest = self.rates(n)
+        tokens, best, best_value = 1.0, 0, 1.0
+        for length in range(1, available + 1):
+            tokens += first * rest ** (length - 1)
+            if tokens / (1 + self.token_cost * length) > best_value:
+                best, best_value = length, tokens / (1 + self.token_cost * length)
+        return best
+
+    def _score(self, context: list[int]) -> None:
+        """Score pending proposals against what followed them: hits up to the first mismatch."""
+        waiting = []
+        for position, candidates, n in self.pending:
+            followed = context[position : position + len(candidates)]
+            hits = next((i for i, (a, b) in enumerate(zip(candidates, followed)) if a != b), len(followed))
+            if hits == len(followed) < len(candidates):  # all that followed so far agrees: wait for more
+                waiting.append((position, candidates, n))
+                continue
+            later_tries = min(hits + 1, len(candidates)) - 1  # candidates after the first that were judged
+            for i, (h, t) in enumerate([(min(hits, 1), 1), (max(hits - 1, 0), later_tries)]):
+                self.hits[n][i] = self.memory * self.hits[n][i] + h
+                self.tries[n][i] = self.memory * self.tries[n][i] + t
+        self.pending = waiting
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], None]:
+        self._score(context)
         for n in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(context) <= n:
                 continue
             tail = context[-n:]
             for start in range(len(context) - n - 1, -1, -1):
                 if context[start : start + n] == tail:
-                    return context[start + n : start + n + k], None
+                    candidates = context[start + n : start + n + k]
+                    self.pending.append((len(context), candidates, n))
+                    return candidates[: self.worth_sending(n, len(candidates))], None
         return [], None
 
 

@@ -7,7 +7,9 @@ wikitext-2 test passage and a request to repeat or summarise it: the output reus
 input) and "open" (open-ended requests). Per method: tokens/s, speedup against our plain
 greedy loop and against transformers' ``generate``, new tokens per target forward, and the
 share of prompts whose output is identical to plain greedy. Every method runs on the same
-model object (fp32 compute on the CPU), one prompt at a time, after one warm-up prompt.
+model object (fp32 compute on the CPU), one prompt at a time, after one warm-up prompt; each
+prompt goes through every method before the next, so a machine whose speed drifts during the
+run (a shared CPU does, by ±15%) slows every method alike.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 from compress import data, early_exit, kernels, models
 from compress.lookahead import lookahead
 from compress.arch import decoder_layers
-from compress.decode import DraftModel, PromptLookup, greedy, layer_subset, parse_layers, search_layers, speculate
+from compress.decode import (DraftModel, PromptLookup, default_token_cost, greedy, layer_subset, parse_layers,
+                             search_layers, speculate)
 
 OPEN = [
     "Write a short story about a robot who learns to paint.",
@@ -98,12 +101,15 @@ def main() -> None:
     eos = set(tokenizer.convert_tokens_to_ids([tokenizer.eos_token])) | set(
         [model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int)
         else model.generation_config.eos_token_id or [])
-    n = args.new_tokens
+    n, cost = args.new_tokens, default_token_cost(device)
     methods = {
         "greedy (ours)": lambda p: _ours(greedy(model, p, n, eos)),
         "greedy (transformers generate)": lambda p: run_hf(model, p, n, eos),
         "prompt lookup (transformers, 10)": lambda p: run_hf(model, p, n, eos, prompt_lookup_num_tokens=10),
-        "prompt lookup (ours, k=10)": lambda p: _ours(speculate(model, p, n, PromptLookup(), k=10, eos=eos)),
+        "prompt lookup, every match (ours, k=10)":
+            lambda p: _ours(speculate(model, p, n, PromptLookup(), k=10, eos=eos)),
+        f"prompt lookup, token cost {cost} (ours, k=10)":
+            lambda p: _ours(speculate(model, p, n, PromptLookup(token_cost=cost), k=10, eos=eos)),
         f"early-exit drafting (transformers, layer {args.exit_layer})":
             lambda p: run_hf(model, p, n, eos, assistant_early_exit=args.exit_layer),
         f"early-exit drafting (ours, layer {args.exit_layer})":
@@ -165,16 +171,16 @@ def main() -> None:
     methods["greedy (ours)"](next(iter(sets.values()))[0][:, :32])  # warm-up
     rows = []
     for set_name, ps in sets.items():
-        results = {}
-        for name, fn in methods.items():
-            outputs, seconds, forwards = [], 0.0, 0
-            for p in ps:
+        runs = {name: ([], [0.0], [0]) for name in methods}  # outputs, seconds, target forwards
+        for i, p in enumerate(ps):  # every method on one prompt, then the next: a drifting machine hits all alike
+            for name, fn in methods.items():
                 out, s, f = fn(p)
-                outputs.append(out)
-                seconds, forwards = seconds + s, forwards + (f or 0)
-            results[name] = (outputs, sum(map(len, outputs)) / seconds, forwards)
-            per_forward = f", {sum(map(len, outputs)) / forwards:.2f} tokens/forward" if forwards else ""
-            print(f"{set_name:9s} {name:38s} {results[name][1]:6.1f} tok/s{per_forward}", file=sys.stderr, flush=True)
+                runs[name][0].append(out)
+                runs[name][1][0] += s
+                runs[name][2][0] += f or 0
+            print(f"{set_name}: prompt {i + 1}/{len(ps)} done", file=sys.stderr, flush=True)
+        results = {name: (outputs, sum(map(len, outputs)) / seconds, forwards)
+                   for name, (outputs, [seconds], [forwards]) in runs.items()}
         reference, ours, hf = results["greedy (ours)"][0], results["greedy (ours)"][1], \
             results["greedy (transformers generate)"][1]
         for name, (outputs, rate, forwards) in results.items():

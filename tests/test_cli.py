@@ -55,3 +55,19 @@ def test_bad_recipe_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, bod
 def test_recipes_lists_shipped():
     result = run("recipes")
     assert result.returncode == 0 and "rtn-w4" in result.stdout
+
+
+def test_decode_rejects_a_bad_number_before_loading_anything():
+    result = run("decode", "smollm2-135m", "--prompt", "hi", "--token-cost", "lots")
+    assert result.returncode == 2 and "--token-cost: 'lots': write a number or auto" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_decode_prompt_lookup_prints_the_greedy_output():
+    prompt = "Repeat after me: the quick brown fox jumps over the lazy dog."
+    runs = {method: run("decode", "smollm2-135m", "--prompt", prompt, "--method", method, "--max-new-tokens", "16")
+            for method in ("greedy", "prompt-lookup")}
+    for result in runs.values():
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert runs["greedy"].stdout.strip() and runs["greedy"].stdout == runs["prompt-lookup"].stdout  # lossless
+    assert "tokens per target forward" in runs["prompt-lookup"].stderr
