@@ -9,7 +9,7 @@ greedy loop and against transformers' ``generate``, new tokens per target forwar
 share of prompts whose output is identical to plain greedy. Every method runs on the same
 model object (fp32 compute on the CPU), one prompt at a time, after one warm-up prompt; each
 prompt goes through every method before the next, so a machine whose speed drifts during the
-run (a shared CPU does, by ±15%) slows every method alike.
+run (up to 25% between runs here) slows every method alike.
 """
 
 from __future__ import annotations
