@@ -216,8 +216,9 @@ class PromptLookup:
         tokens, best, best_value = 1.0, 0, 1.0
         for length in range(1, available + 1):
             tokens += first * rest ** (length - 1)
-            if tokens / (1 + self.token_cost * length) > best_value:
-                best, best_value = length, tokens / (1 + self.token_cost * length)
+            value = tokens / (1 + self.token_cost * length)
+            if value > best_value:
+                best, best_value = length, value
         return best
 
     def _score(self, context: list[int]) -> None:
@@ -229,8 +230,8 @@ class PromptLookup:
             if hits == len(followed) < len(candidates):  # all that followed so far agrees: wait for more
                 waiting.append((position, candidates, n))
                 continue
-            later_tries = min(hits + 1, len(candidates)) - 1  # candidates after the first that were judged
-            for i, (h, t) in enumerate([(min(hits, 1), 1), (max(hits - 1, 0), later_tries)]):
+            judged_later = min(hits + 1, len(candidates)) - 1  # candidates after the first that were judged
+            for i, (h, t) in enumerate([(min(hits, 1), 1), (max(hits - 1, 0), judged_later)]):  # [first, rest]
                 self.hits[n][i] = self.memory * self.hits[n][i] + h
                 self.tries[n][i] = self.memory * self.tries[n][i] + t
         self.pending = waiting

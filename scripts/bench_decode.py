@@ -171,16 +171,17 @@ def main() -> None:
     methods["greedy (ours)"](next(iter(sets.values()))[0][:, :32])  # warm-up
     rows = []
     for set_name, ps in sets.items():
-        runs = {name: ([], [0.0], [0]) for name in methods}  # outputs, seconds, target forwards
+        outputs_of = {name: [] for name in methods}
+        seconds_of, forwards_of = dict.fromkeys(methods, 0.0), dict.fromkeys(methods, 0)  # forwards: ours only
         for i, p in enumerate(ps):  # every method on one prompt, then the next: a drifting machine hits all alike
             for name, fn in methods.items():
                 out, s, f = fn(p)
-                runs[name][0].append(out)
-                runs[name][1][0] += s
-                runs[name][2][0] += f or 0
+                outputs_of[name].append(out)
+                seconds_of[name] += s
+                forwards_of[name] += f or 0
             print(f"{set_name}: prompt {i + 1}/{len(ps)} done", file=sys.stderr, flush=True)
-        results = {name: (outputs, sum(map(len, outputs)) / seconds, forwards)
-                   for name, (outputs, [seconds], [forwards]) in runs.items()}
+        results = {name: (outputs_of[name], sum(map(len, outputs_of[name])) / seconds_of[name], forwards_of[name])
+                   for name in methods}
         reference, ours, hf = results["greedy (ours)"][0], results["greedy (ours)"][1], \
             results["greedy (transformers generate)"][1]
         for name, (outputs, rate, forwards) in results.items():
