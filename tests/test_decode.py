@@ -213,3 +213,23 @@ def test_searched_layers_are_saved_with_the_checkpoint_and_read_back(tmp_path):
     save_layers(tmp_path, [0, 2, 3], trials)
     with pytest.raises(DecodeError, match="layers 0-1"):
         saved_layers(tmp_path, 2)  # saved for a deeper model
+
+
+def test_replay_runs_the_forwards_speculate_runs_and_the_oracle_sends_only_right_guesses():
+    """scripts/replay_prompt_lookup.py prices proposers from greedy output alone: its replay of
+    the loop must send what the real loop sends."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    from replay_prompt_lookup import Oracle, replay
+
+    model, prompt = tiny("llama"), _prompt()
+    output = greedy(model, prompt, 40).tokens
+    context = prompt[0].tolist()
+    for make in (PromptLookup, lambda: PromptLookup(token_cost=0.05)):
+        real = speculate(model, prompt, 40, make(), k=10)
+        widths = replay(context, output, make(), 40, set())
+        assert (len(widths), sum(widths) - len(widths)) == (real.forwards - 1, real.proposed)
+    oracle = replay(context, output, Oracle(output, len(context), any_match=False), 40, set())
+    assert 1 + sum(oracle) == len(output)  # every guess it sends is right: each token comes from one forward slot
