@@ -111,9 +111,7 @@ def _sync(device: torch.device) -> None:
 def accept_greedy(candidates: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
     """(accepted count, next token): candidates kept while they equal the target's argmax."""
     choices = target_logits.argmax(-1).tolist()
-    n = 0
-    while n < len(candidates) and candidates[n] == choices[n]:
-        n += 1
+    n = common_prefix(candidates, choices)
     return n, choices[n]
 
 
@@ -174,6 +172,11 @@ def speculate(model, prompt: torch.Tensor, max_new_tokens: int, proposer, k: int
     return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def default_token_cost(device: torch.device) -> float:
     """What one more token costs in a target forward, as a share of a one-token forward.
 
@@ -226,7 +229,7 @@ class PromptLookup:
         waiting = []
         for position, candidates, n in self.pending:
             followed = context[position : position + len(candidates)]
-            hits = next((i for i, (a, b) in enumerate(zip(candidates, followed)) if a != b), len(followed))
+            hits = common_prefix(candidates, followed)
             if hits == len(followed) < len(candidates):  # all that followed so far agrees: wait for more
                 waiting.append((position, candidates, n))
                 continue

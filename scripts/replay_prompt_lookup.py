@@ -16,6 +16,7 @@ the longest matching 3/2/1 tokens), "oracle match" also picks the best of every 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -25,7 +26,7 @@ from bench_decode import machine, prompts  # this script's folder is on the path
 from transformers import DynamicCache
 
 from compress import kernels, models
-from compress.decode import PromptLookup, _forward, default_token_cost, greedy
+from compress.decode import PromptLookup, _forward, common_prefix, default_token_cost, greedy
 
 WIDTHS = (1, 2, 3, 5, 9, 11, 17)
 
@@ -43,15 +44,11 @@ class Oracle:
         for n in range(self.max_ngram, 0, -1):
             starts = [s for s in range(len(context) - n - 1, -1, -1) if context[s : s + n] == context[-n:]]
             for start in starts if self.any_match else starts[:1]:
-                right = _common_prefix(context[start + n : start + n + k], truth)
+                right = common_prefix(context[start + n : start + n + k], truth)
                 best = max(best, context[start + n : start + n + right], key=len)
             if starts and not self.any_match:
                 break
         return best, None
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def replay(prompt: list[int], output: list[int], proposer, max_new_tokens: int, eos: set[int], k: int = 10):
@@ -66,7 +63,7 @@ def replay(prompt: list[int], output: list[int], proposer, max_new_tokens: int, 
         candidates, _ = proposer.propose(context, room) if room > 0 else ([], None)
         widths.append(1 + len(candidates))
         truth = output[len(tokens):]
-        kept = candidates[: _common_prefix(candidates, truth)]
+        kept = candidates[: common_prefix(candidates, truth)]
         if any(t in eos for t in kept):
             break
         tokens += kept
@@ -118,7 +115,7 @@ def main() -> None:
     sets = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()}
     greedy(model, sets["open"][0][:, :32], 8)  # warm-up
     cost_ms = forward_ms(model, sets["grounded"][0])
-    price = lambda width: interpolate(cost_ms, width)  # noqa: E731
+    price = functools.partial(interpolate, cost_ms)
     cost = default_token_cost(device)
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")

@@ -215,13 +215,12 @@ def test_searched_layers_are_saved_with_the_checkpoint_and_read_back(tmp_path):
         saved_layers(tmp_path, 2)  # saved for a deeper model
 
 
-def test_replay_runs_the_forwards_speculate_runs_and_the_oracle_sends_only_right_guesses():
+def test_replay_runs_the_forwards_speculate_runs_and_the_oracle_sends_only_right_guesses(monkeypatch):
     """scripts/replay_prompt_lookup.py prices proposers from greedy output alone: its replay of
     the loop must send what the real loop sends."""
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "scripts"))
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
     from replay_prompt_lookup import Oracle, replay
 
     model, prompt = tiny("llama"), _prompt()
