@@ -9,25 +9,40 @@ used. Never a crash, never NaN weights.
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import torch
 
 
 class Hessian:
-    """Running ``2/n · XᵀX`` in float32; ``add`` is called with each batch of inputs."""
+    """``2/n · XᵀX`` in float32 over every input ``add`` is called with.
+
+    XᵀX is symmetric, so only its lower triangle is multiplied, in panels of ``PANEL`` rows
+    (a third less work than the full product for a 1536-wide input; ``H`` mirrors it).
+    """
+
+    PANEL = 192
 
     def __init__(self, linear: torch.nn.Linear):
-        self.H = torch.zeros(linear.in_features, linear.in_features, device=linear.weight.device)
+        self.lower = torch.zeros(linear.in_features, linear.in_features, device=linear.weight.device)
         self.n = 0
+        self._H = None
 
     def add(self, x: torch.Tensor) -> None:
         x = x.reshape(-1, x.shape[-1]).float()
-        self.H *= self.n / (self.n + x.shape[0])
         self.n += x.shape[0]
-        x = x * math.sqrt(2 / self.n)
-        self.H += x.T @ x
+        width = x.shape[1]
+        for start in range(0, width, self.PANEL):
+            end = min(start + self.PANEL, width)
+            self.lower[start:end, :end].addmm_(x[:, start:end].T, x[:, :end])
+        self._H = None
+
+    @property
+    def H(self) -> torch.Tensor:
+        if self._H is None:
+            lower = self.lower.tril()
+            self._H = (lower + lower.tril(-1).T) * (2 / max(self.n, 1))
+        return self._H
 
 
 def dead_columns(H: torch.Tensor) -> torch.Tensor:
