@@ -98,7 +98,7 @@ def obs_sweep(weight: torch.Tensor, H: torch.Tensor, name: str, *, scheme: Quant
 
 
 def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool):
-    """Yield ``(linear name, Hessian)`` for every linear in ``groups``.
+    """Yield ``(group, Hessian)`` for every group of linears that read the same input.
 
     With ``true_sequential`` each group (q/k/v, then o, then gate/up, then down) is observed
     only after the caller has transformed the groups before it, so it sees their compressed
@@ -108,8 +108,9 @@ def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool):
         # Later stages change only later linears, so o_proj's and down_proj's inputs stay valid:
         # the next stages (and the block's final forward) rebuild attention and MLP outputs from them.
         stats = data.observe(stage, Hessian, replay_after=true_sequential)
-        for name in (n for g in stage for n in g):
-            yield name, stats[name]
+        for group in stage:
+            yield group, stats[group[0]]
+        data.settle()  # the caller has transformed this stage's linears: keep their outputs
 
 
 def usable(H: Hessian) -> bool:

@@ -51,16 +51,25 @@ class _Recorder(_StandIn):
 class _Replay(_StandIn):
     """Stands in for a module whose last op is ``linear`` (attention ends in o_proj, the MLP in
     down_proj): its output is ``linear`` applied to that linear's input kept from an earlier
-    forward, so nothing before the linear is computed again. ``sample`` picks the input."""
+    forward, so nothing before the linear is computed again. ``sample`` picks the input.
+    Once ``settle`` is called the linear is final: its outputs are kept instead, so later
+    forwards do not multiply again."""
 
     def __init__(self, module: torch.nn.Module, linear: torch.nn.Module, inputs: list[torch.Tensor],
                  tail: tuple | None):
         super().__init__(module)
-        self.linear, self.inputs, self.tail = linear, inputs, tail
+        self.linear, self.kept, self.tail = linear, inputs, tail
+        self.settled = False
         self.sample = 0
 
+    def settle(self) -> None:
+        if not self.settled:
+            for i, x in enumerate(self.kept):  # one at a time: no second copy of the activations
+                self.kept[i] = self.linear(x)
+            self.settled = True
+
     def forward(self, *args, **kwargs):
-        y = self.linear(self.inputs[self.sample])
+        y = self.kept[self.sample] if self.settled else self.linear(self.kept[self.sample])
         return y if self.tail is None else (y, *self.tail)
 
 
@@ -226,7 +235,8 @@ class BlockData:
         ``replay_after`` (one group of one linear that ends its module, as o_proj ends the
         attention): keep that linear's inputs, and let later forwards of this pass rebuild the
         module's output from them instead of running it. The caller promises to change
-        nothing this pass that feeds the linear; the linear itself may change.
+        nothing this pass that feeds the linear; the linear itself may change until the
+        caller says ``settle()``.
         """
         stats, hooks = {}, {}
         if not groups:  # every linear of this block is ignored
@@ -248,6 +258,14 @@ class BlockData:
             self.replay[module] = _Replay(self.block.get_submodule(module), self.block.get_submodule(linear),
                                           kept, tail)
         return stats
+
+    @torch.no_grad()
+    def settle(self) -> None:
+        """The caller is done changing every linear it observed so far this pass: replayed
+        modules keep their outputs from now on (o_proj is then not multiplied again by the
+        gate/up, down and final forwards)."""
+        for stand_in in self.replay.values():
+            stand_in.settle()
 
 
 def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device, prefix: str | None = None):

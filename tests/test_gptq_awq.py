@@ -25,14 +25,29 @@ def _out_err(X, W, qw):
 
 
 def test_hessian_accumulates_two_over_n_xtx_over_uneven_batches():
-    """The running average over batches of different sizes equals the product over all tokens."""
+    """Lower-triangle panels over batches of different sizes give the symmetric product over all tokens."""
     torch.manual_seed(0)
-    X = torch.randn(700, 300, dtype=torch.float64).float()
+    X = torch.randn(700, 300, dtype=torch.float64).float()  # 300 wide: one full panel of 192 and a partial one
     h = Hessian(torch.nn.Linear(300, 8))
     for part in X.split([1, 255, 444]):
         h.add(part)
     assert h.n == 700
     torch.testing.assert_close(h.H, 2 / 700 * X.double().T @ X.double(), rtol=1e-5, atol=1e-5, check_dtype=False)
+    assert torch.equal(h.H, h.H.T)
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+def test_stacked_linears_quantize_as_if_alone(actorder):
+    """GPTQ sweeps q/k/v (and gate/up) as one stacked matrix: rows never interact, so the
+    integers and scales are those of one linear at a time."""
+    _, _, h = _layer_and_inputs()
+    torch.manual_seed(1)
+    parts = [torch.randn(rows, 256) * 0.05 for rows in (64, 16, 16)]
+    scheme = QuantScheme(4, 64, True)
+    alone = [obs_sweep(w, h.H, "layer", scheme=scheme, actorder=actorder).quantized for w in parts]
+    stacked = obs_sweep(torch.cat(parts), h.H, "layer", scheme=scheme, actorder=actorder).quantized
+    assert torch.equal(stacked.q, torch.cat([a.q for a in alone]))
+    assert torch.equal(stacked.scale, torch.cat([a.scale for a in alone]))
 
 
 @pytest.mark.parametrize("scheme", [QuantScheme(4, 64, True), QuantScheme(3, -1, False), QuantScheme(2, 32, False)])

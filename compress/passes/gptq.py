@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from ..obs import hessian_stages, obs_sweep, usable
-from ..quant import attach, quantize_weight
+from ..quant import QuantizedWeight, attach, quantize_weight
 from ..sparsity import prune_mask_of
 from .base import RecipeError, WeightQuantOptions, WeightQuantPass
 
@@ -37,16 +39,31 @@ class GPTQ(WeightQuantPass):
     def apply(self, block, data, prefix: str) -> None:
         o = self.options
         targets = self.targets(block, prefix)
-        for name, H in hessian_stages(data, self.target_groups(targets), o.true_sequential):
-            lin, mask = targets[name], prune_mask_of(targets[name])
+        for group, H in hessian_stages(data, self.target_groups(targets), o.true_sequential):
+            linears = [targets[name] for name in group]
+            masks = [prune_mask_of(lin) for lin in linears]
             if not usable(H):
-                warnings.warn(f"{prefix}{name}: no usable calibration input; falling back to RTN", stacklevel=2)
-                w = lin.weight.data if mask is None else lin.weight.data.masked_fill(mask, 0)
-                attach(lin, quantize_weight(w, self.scheme, self.dtype))
+                warnings.warn(f"{prefix}{'/'.join(group)}: no usable calibration input; falling back to RTN",
+                              stacklevel=2)
+                for lin, mask in zip(linears, masks):
+                    w = lin.weight.data if mask is None else lin.weight.data.masked_fill(mask, 0)
+                    attach(lin, quantize_weight(w, self.scheme, self.dtype))
                 continue
-            result = obs_sweep(lin.weight.data, H.H, prefix + name, scheme=self.scheme, dtype=self.dtype, mask=mask,
-                               percdamp=o.percdamp, blocksize=o.blocksize, actorder=o.actorder)
-            attach(lin, result.quantized)
+            # Rows never interact in the sweep, so linears sharing an input (q/k/v, gate/up) go
+            # through it as one stacked matrix: one factorisation, one pass over the columns.
+            weight = torch.cat([lin.weight.data for lin in linears])
+            mask = None
+            if any(m is not None for m in masks):
+                mask = torch.cat([m if m is not None else torch.zeros_like(lin.weight, dtype=torch.bool)
+                                  for lin, m in zip(linears, masks)])
+            q = obs_sweep(weight, H.H, prefix + "/".join(group), scheme=self.scheme, dtype=self.dtype, mask=mask,
+                          percdamp=o.percdamp, blocksize=o.blocksize, actorder=o.actorder).quantized
+            start = 0
+            for lin in linears:
+                rows = slice(start, start + lin.out_features)
+                attach(lin, QuantizedWeight(q.scheme, q.q[rows].clone(), q.scale[rows].clone(),
+                                            q.zero_point[rows].clone()))
+                start = rows.stop
 
     def summary(self) -> str:
         return f"gptq {self.scheme.describe()}" + (" actorder" if self.options.actorder else "")

@@ -43,7 +43,8 @@ class SparseGPT(PrunePass):
     def apply(self, block, data, prefix: str) -> None:
         o = self.options
         targets = self.targets(block, prefix)
-        for name, H in hessian_stages(data, self.target_groups(targets), o.true_sequential):
+        stages = hessian_stages(data, self.target_groups(targets), o.true_sequential)
+        for name, H in ((name, H) for group, H in stages for name in group):  # masks are chosen per linear
             lin = targets[name]
             if not usable(H):
                 warnings.warn(f"{prefix}{name}: no usable calibration input; falling back to magnitude pruning",
