@@ -69,7 +69,8 @@ class _Replay(_StandIn):
             self.settled = True
 
     def forward(self, *args, **kwargs):
-        y = self.kept[self.sample] if self.settled else self.linear(self.kept[self.sample])
+        # a copy: a layer that works in place on this output must not change what is kept
+        y = self.kept[self.sample].clone() if self.settled else self.linear(self.kept[self.sample])
         return y if self.tail is None else (y, *self.tail)
 
 
