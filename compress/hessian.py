@@ -18,7 +18,8 @@ class Hessian:
     """``2/n · XᵀX`` in float32 over every input ``add`` is called with.
 
     XᵀX is symmetric, so only its lower triangle is multiplied, in panels of ``PANEL`` rows
-    (a third less work than the full product for a 1536-wide input; ``H`` mirrors it).
+    (44% fewer multiply-adds than the full product for a 1536-wide input, a third less time
+    on our CPU; ``H`` mirrors it).
     """
 
     PANEL = 192

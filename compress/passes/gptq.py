@@ -52,18 +52,13 @@ class GPTQ(WeightQuantPass):
             # Rows never interact in the sweep, so linears sharing an input (q/k/v, gate/up) go
             # through it as one stacked matrix: one factorisation, one pass over the columns.
             weight = torch.cat([lin.weight.data for lin in linears])
-            mask = None
-            if any(m is not None for m in masks):
-                mask = torch.cat([m if m is not None else torch.zeros_like(lin.weight, dtype=torch.bool)
-                                  for lin, m in zip(linears, masks)])
+            mask = torch.cat([m if m is not None else torch.zeros_like(lin.weight, dtype=torch.bool)
+                              for lin, m in zip(linears, masks)])  # no prune mask: nothing pruned
             q = obs_sweep(weight, H.H, prefix + "/".join(group), scheme=self.scheme, dtype=self.dtype, mask=mask,
                           percdamp=o.percdamp, blocksize=o.blocksize, actorder=o.actorder).quantized
-            start = 0
-            for lin in linears:
-                rows = slice(start, start + lin.out_features)
-                attach(lin, QuantizedWeight(q.scheme, q.q[rows].clone(), q.scale[rows].clone(),
-                                            q.zero_point[rows].clone()))
-                start = rows.stop
+            rows = [lin.out_features for lin in linears]
+            for lin, ints, scale, zero in zip(linears, q.q.split(rows), q.scale.split(rows), q.zero_point.split(rows)):
+                attach(lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone()))  # own storage each
 
     def summary(self) -> str:
         return f"gptq {self.scheme.describe()}" + (" actorder" if self.options.actorder else "")
