@@ -68,7 +68,11 @@ def _eval(args) -> None:
 
 def _decode(args) -> None:
     from . import decode, kernels, kvcache, models
+    from .data import tokenizer_fingerprint
+    from .datastore import Datastore
 
+    if args.datastore and args.method != "prompt-lookup":
+        raise decode.DecodeError(f"--datastore is for --method prompt-lookup, not {args.method}")
     device = models.pick_device(args.device)
     loaded = models.load(args.model, models.parse_dtype(args.dtype))
     model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
@@ -125,8 +129,12 @@ def _decode(args) -> None:
                                          args.threshold, sampling)
         else:
             cost = decode.default_token_cost(device) if args.token_cost == "auto" else args.token_cost
-            proposer = decode.PromptLookup(token_cost=cost)
+            store = Datastore.load(args.datastore, tokenizer_fingerprint(tokenizer)) if args.datastore else None
+            proposer = decode.PromptLookup(token_cost=cost, store=store)
         result = decode.speculate(model, prompt, args.max_new_tokens, proposer, args.k, sampling, eos)
+        if args.datastore:
+            store.add(result.tokens)
+            store.save(args.datastore)
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
     print(f"\n[{args.method}: {len(result.tokens)} tokens in {result.seconds:.2f} s, "
           f"{len(result.tokens) / result.seconds:.1f} tokens/s, {result.tokens_per_forward:.2f} tokens per "
@@ -259,6 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt-lookup: what one more token costs in a target forward, as a share of a one-token "
                         "forward; fewer candidates are sent the dearer they are (auto: 0.05 on a CPU, 0 on a GPU; "
                         "0 sends every match in full)")
+    p.add_argument("--datastore", metavar="FILE.json",
+                   help="prompt-lookup: also copy from the model's outputs on earlier requests kept in this file "
+                        "(created if missing; this output is added to it)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)

@@ -97,7 +97,8 @@ def tokenize(tokenizer, text: str) -> torch.Tensor:
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
-def _tokenizer_fingerprint(tokenizer) -> str:
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Tells tokenizers apart: what is cached or stored as token ids is only valid for one."""
     probe = tokenizer("The quick brown fox, 1234 ü 日本", add_special_tokens=False)["input_ids"]
     return f"{len(tokenizer)}-{probe}"
 
@@ -109,7 +110,7 @@ def calibration_batches(model, tokenizer, source: str, samples: int, seqlen: int
     samples itself when ``source`` is ``self``. Returns ids and a description.
     """
     key = hashlib.sha256(
-        json.dumps([source, samples, seqlen, seed, _tokenizer_fingerprint(tokenizer),
+        json.dumps([source, samples, seqlen, seed, tokenizer_fingerprint(tokenizer),
                     getattr(model.config, "_name_or_path", "")]).encode()
     ).hexdigest()[:16]
     cached = cache_dir() / "calibration" / f"{key}.safetensors"

@@ -19,10 +19,13 @@ import copy
 import platform
 import sys
 import time
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from compress import data, early_exit, kernels, models
+from compress.datastore import Datastore
 from compress.lookahead import lookahead
 from compress.arch import decoder_layers
 from compress.decode import (DraftModel, PromptLookup, default_token_cost, greedy, layer_subset, parse_layers,
@@ -40,13 +43,35 @@ OPEN = [
 ]
 
 
+# Other requests, whose greedy outputs fill the datastore (--datastore); none opens with the
+# first three words of an OPEN prompt, so the store cannot hold a benchmark request's template.
+STORE_PROMPTS = Path(__file__).with_name("datastore_prompts.txt")
+
+
+def chat(tokenizer, text: str) -> torch.Tensor:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
 def prompts(tokenizer) -> dict[str, list[torch.Tensor]]:
     ids = data.tokenize(tokenizer, data.load_text("wikitext2", "test"))
     asks = ["Repeat the text above word for word.", "Summarise the text above."]
     grounded = [f"{tokenizer.decode(ids[5000 + 1500 * i : 5300 + 1500 * i])}\n\n{asks[i % 2]}" for i in range(8)]
-    chat = lambda text: tokenizer.apply_chat_template(  # noqa: E731
-        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
-    return {"grounded": [chat(t) for t in grounded], "open": [chat(t) for t in OPEN]}
+    return {"grounded": [chat(tokenizer, t) for t in grounded], "open": [chat(tokenizer, t) for t in OPEN]}
+
+
+def datastore(path: str, model, tokenizer, new_tokens: int, eos: set[int], device) -> Datastore:
+    """The store at ``path``, or one filled with greedy outputs on STORE_PROMPTS and saved there."""
+    store = Datastore.load(path, data.tokenizer_fingerprint(tokenizer))
+    if len(store) == 0:
+        asks = STORE_PROMPTS.read_text().splitlines()
+        openings = {" ".join(text.lower().split()[:3]) for text in OPEN}
+        if shared := [a for a in asks if " ".join(a.lower().split()[:3]) in openings]:
+            sys.exit(f"{STORE_PROMPTS} must not open like a benchmark prompt: {shared}")
+        for text in tqdm(asks, desc="datastore: greedy outputs on other requests", unit="request"):
+            store.add(greedy(model, chat(tokenizer, text).to(device), new_tokens, eos).tokens)
+        store.save(path)
+    return store
 
 
 def machine() -> str:
@@ -83,6 +108,10 @@ def main() -> None:
     parser.add_argument("--linear", choices=["onednn", "mkl"], default="onednn",
                         help="fp32 linears of every model: oneDNN for multi-token forwards (kernels.use_onednn), "
                              "or torch's default (MKL)")
+    parser.add_argument("--datastore", metavar="FILE.json",
+                        help="also prompt lookup with a datastore of the model's greedy outputs on the requests in "
+                             "scripts/datastore_prompts.txt (built and saved here if the file is missing; fixed "
+                             "during the run)")
     parser.add_argument("--sets", nargs="*", default=["grounded", "open"], choices=["grounded", "open"])
     parser.add_argument("--only", nargs="*", help="run only the methods whose name contains one of these words "
                                                   "(both greedy rows always run: they are the references)")
@@ -115,6 +144,10 @@ def main() -> None:
         f"early-exit drafting (ours, layer {args.exit_layer})":
             lambda p: _ours(speculate(model, p, n, DraftModel(first_layers), k=8, eos=eos)),
     }
+    if args.datastore:
+        store = datastore(args.datastore, model, tokenizer, n, eos, device)
+        methods[f"prompt lookup + datastore of {len(store)} outputs, token cost {cost} (ours, k=10)"] = \
+            lambda p: _ours(speculate(model, p, n, PromptLookup(token_cost=cost, store=store), k=10, eos=eos))
     for spec in args.lookahead:
         w, ng, g = map(int, spec.split(","))
         methods[f"lookahead (ours, W={w} N={ng} G={g})"] = \

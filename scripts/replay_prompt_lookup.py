@@ -1,6 +1,6 @@
 """How fast could prompt lookup be on this machine? Replay proposers against greedy outputs.
 
-    python scripts/replay_prompt_lookup.py [--prompts 8] [--new-tokens 128]
+    python scripts/replay_prompt_lookup.py [--prompts 8] [--new-tokens 128] [--datastore FILE.json]
 
 Greedy output is what every lossless method must reproduce, so once it is known, the
 propose–verify loop of ``decode.speculate`` can be replayed without the model: each step's
@@ -22,7 +22,7 @@ import sys
 import time
 
 import torch
-from bench_decode import machine, prompts  # this script's folder is on the path when run
+from bench_decode import datastore, machine, prompts  # this script's folder is on the path when run
 from transformers import DynamicCache
 
 from compress import kernels, models
@@ -104,6 +104,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per set")
+    parser.add_argument("--datastore", metavar="FILE.json", help="also replay prompt lookup with this datastore "
+                                                                 "(as bench_decode.py builds it)")
     args = parser.parse_args()
 
     device = models.pick_device("auto")
@@ -112,6 +114,7 @@ def main() -> None:
     if device.type == "cpu":
         kernels.use_onednn(model)
     eos = {tokenizer.eos_token_id}
+    store = datastore(args.datastore, model, tokenizer, args.new_tokens, eos, device) if args.datastore else None
     sets = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()}
     greedy(model, sets["open"][0][:, :32], 8)  # warm-up
     cost_ms = forward_ms(model, sets["grounded"][0])
@@ -132,6 +135,8 @@ def main() -> None:
         proposers = {
             "every match (ours, k=10)": lambda out, n: PromptLookup(),
             f"token cost {cost} (ours, k=10)": lambda out, n: PromptLookup(token_cost=cost),
+            **({f"token cost {cost} + datastore of {len(store)} (ours, k=10)":
+                lambda out, n: PromptLookup(token_cost=cost, store=store)} if store else {}),
             "oracle length (k=10)": lambda out, n: Oracle(out, n, any_match=False),
             "oracle match and length (k=10)": lambda out, n: Oracle(out, n, any_match=True),
         }

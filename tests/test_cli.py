@@ -71,3 +71,15 @@ def test_decode_prompt_lookup_prints_the_greedy_output():
         assert result.returncode == 0, result.stderr[-2000:]
     assert runs["greedy"].stdout.strip() and runs["greedy"].stdout == runs["prompt-lookup"].stdout  # lossless
     assert "tokens per target forward" in runs["prompt-lookup"].stderr
+
+
+def test_decode_datastore_keeps_each_output_and_is_refused_outside_prompt_lookup(tmp_path):
+    store = tmp_path / "store.json"
+    result = run("decode", "smollm2-135m", "--prompt", "hi", "--method", "greedy", "--datastore", str(store))
+    assert result.returncode == 2 and "--datastore is for --method prompt-lookup" in result.stderr
+    assert "Traceback" not in result.stderr and not store.exists()
+    args = ("decode", "smollm2-135m", "--prompt", "Name three colours.", "--max-new-tokens", "12")
+    first, second = run(*args, "--datastore", str(store)), run(*args, "--datastore", str(store))
+    assert first.returncode == second.returncode == 0, second.stderr[-2000:]
+    assert first.stdout == second.stdout == run(*args, "--method", "greedy").stdout  # lossless, store or not
+    assert len(json.loads(store.read_text())["sequences"]) == 2
