@@ -14,11 +14,10 @@ and a store written with another tokenizer is refused.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .decode import DecodeError
+from .decode import DecodeError, write_json
 
 
 class Datastore:
@@ -51,13 +50,13 @@ class Datastore:
                 continue
             out = []
             for step in range(k):
-                votes = Counter(self.sequences[s][p + step] for s, p in places if p + step < len(self.sequences[s]))
-                if not votes:
+                following = [(s, p, self.sequences[s][p + step]) for s, p in places
+                             if p + step < len(self.sequences[s])]
+                if not following:
                     break
-                token = votes.most_common(1)[0][0]
+                token = Counter(t for _, _, t in following).most_common(1)[0][0]
                 out.append(token)
-                places = [(s, p) for s, p in places if p + step < len(self.sequences[s]) and
-                          self.sequences[s][p + step] == token]
+                places = [(s, p) for s, p, t in following if t == token]
             return out, n
         return [], 0
 
@@ -82,8 +81,4 @@ class Datastore:
         return cls(sequences, tokenizer_id=tokenizer_id)
 
     def save(self, path: str | Path) -> None:
-        """Write atomically: a crash leaves the old file or the new one, never half of one."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"tokenizer": self.tokenizer_id, "sequences": self.sequences}))
-        os.replace(tmp, path)
+        write_json(Path(path), {"tokenizer": self.tokenizer_id, "sequences": self.sequences})

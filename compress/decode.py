@@ -379,10 +379,15 @@ def save_layers(folder: str | Path, keep: list[int], trials: list[dict]) -> Path
     folder = Path(folder)
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         return None
-    tmp = folder / (SAVED_LAYERS + ".tmp")
-    tmp.write_text(json.dumps({"layers": ",".join(map(str, keep)), "trials": trials}, indent=1))
-    os.replace(tmp, folder / SAVED_LAYERS)
+    write_json(folder / SAVED_LAYERS, {"layers": ",".join(map(str, keep)), "trials": trials}, indent=1)
     return folder / SAVED_LAYERS
+
+
+def write_json(path: Path, payload, indent: int | None = None) -> None:
+    """Write beside ``path``, then rename: a crash leaves the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=indent))
+    os.replace(tmp, path)
 
 
 @torch.no_grad()
