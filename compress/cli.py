@@ -67,9 +67,10 @@ def _eval(args) -> None:
 
 
 def _decode(args) -> None:
-    from . import decode, kernels, kvcache, models
+    from . import decode, kvcache, models
+    from .decode import kernels
     from .data import tokenizer_fingerprint
-    from .datastore import Datastore
+    from .decode.datastore import Datastore
 
     if args.datastore and args.method != "prompt-lookup":
         raise decode.DecodeError(f"--datastore is for --method prompt-lookup, not {args.method}")
@@ -109,7 +110,7 @@ def _decode(args) -> None:
             raise decode.DecodeError("--method early-exit is greedy with a full-precision cache; drop --temperature")
         result = _early_exit(args, model, tokenizer, prompt, eos)
     elif args.method == "lookahead":
-        from .lookahead import lookahead
+        from .decode.lookahead import lookahead
 
         if cache is not None:
             raise decode.DecodeError(f"{args.model} has a quantized KV cache; lookahead cannot prune it yet: "
@@ -168,7 +169,7 @@ def _draft_layers(args, model, tokenizer, device) -> list[int]:
 
 def _early_exit(args, model, tokenizer, prompt, eos):
     """Lossy: the threshold is calibrated (``auto``) for 90% top-1 agreement on calibration text."""
-    from . import early_exit
+    from .decode import early_exit
     from .arch import decoder_layers
     from .data import calibration_batches
 

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from compress import data, early_exit, kernels, models
-from compress.datastore import Datastore
-from compress.lookahead import lookahead
+from compress import data, models
+from compress.decode import early_exit, kernels
+from compress.decode.datastore import Datastore
+from compress.decode.lookahead import lookahead
 from compress.arch import decoder_layers
 from compress.decode import (DraftModel, PromptLookup, default_token_cost, greedy, layer_subset, parse_layers,
                              search_layers, speculate)

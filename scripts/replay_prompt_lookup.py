@@ -25,8 +25,10 @@ import torch
 from bench_decode import datastore, machine, prompts  # this script's folder is on the path when run
 from transformers import DynamicCache
 
-from compress import kernels, models
-from compress.decode import PromptLookup, _forward, common_prefix, default_token_cost, greedy
+from compress import models
+from compress.decode import kernels
+from compress.decode import PromptLookup, common_prefix, default_token_cost, greedy
+from compress.decode.loop import forward_logits
 
 WIDTHS = (1, 2, 3, 5, 9, 11, 17)
 
@@ -77,13 +79,13 @@ def forward_ms(model, prompt: torch.Tensor, rounds: int = 15) -> dict[int, float
     """Median ms of a target forward of each width after ``prompt``, the cache cropped back each
     time; the widths take turns, so a machine that drifts slows them all alike."""
     cache, device = DynamicCache(config=model.config), prompt.device
-    _forward(model, prompt, cache, device, all_logits=False)
+    forward_logits(model, prompt, cache, all_logits=False)
     times = {width: [] for width in WIDTHS}
     for _ in range(rounds):
         for width in WIDTHS:
             ids = torch.randint(100, 20000, (width,), generator=torch.Generator().manual_seed(width))
             start = time.perf_counter()
-            _forward(model, ids, cache, device)
+            forward_logits(model, ids, cache)
             times[width].append(time.perf_counter() - start)
             cache.crop(-width)
     return {width: 1e3 * statistics.median(t[1:]) for width, t in times.items()}
@@ -129,7 +131,7 @@ def main() -> None:
         runs = []  # (prompt ids, greedy output, prefill ms)
         for p in ps:
             start = time.perf_counter()
-            _forward(model, p, DynamicCache(config=model.config), device, all_logits=False)
+            forward_logits(model, p, DynamicCache(config=model.config), all_logits=False)
             prefill = 1e3 * (time.perf_counter() - start)
             runs.append((p[0].tolist(), greedy(model, p, args.new_tokens, eos).tokens, prefill))
         proposers = {

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from compress.datastore import Datastore
+from compress.decode.datastore import Datastore
 from compress.decode import DecodeError, PromptLookup, greedy, speculate
 from tests.conftest import tiny
 from tests.test_decode import _prompt

@@ -99,7 +99,7 @@ def test_several_candidates_keep_the_target_distribution_at_every_depth():
     """Lookahead's verification of several deterministic candidates (two share a first token):
     chi-square of the first token against p0, and of the second given the first against that
     prefix's distribution (5 categories, critical value 18.47 at p = 0.001; fixed seed)."""
-    from compress.lookahead import accept_candidates
+    from compress.decode.lookahead import accept_candidates
 
     p0 = torch.tensor([0.05, 0.4, 0.25, 0.2, 0.1])
     after = {1: torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3]), 2: torch.tensor([0.3, 0.2, 0.1, 0.2, 0.2])}
@@ -127,7 +127,7 @@ def test_sampled_speculation_runs_and_is_reproducible():
     a = speculate(model, _prompt(), 30, PromptLookup(), sampling=sampling)
     b = speculate(model, _prompt(), 30, PromptLookup(), sampling=sampling)
     assert a.tokens == b.tokens and len(a.tokens) == 30
-    from compress.lookahead import lookahead
+    from compress.decode.lookahead import lookahead
 
     a, b = (lookahead(model, _prompt(), 30, sampling=sampling) for _ in range(2))
     assert a.tokens == b.tokens and len(a.tokens) == 30 and a.accepted > 0  # the repeated motif gets kept
@@ -154,7 +154,7 @@ def test_self_speculation_with_a_layer_subset_is_token_identical_and_leaves_the_
 
 @pytest.mark.parametrize("shape", [(3, 3, 3), (5, 4, 5), (2, 2, 1)])
 def test_lookahead_is_token_identical_to_greedy(shape):
-    from compress.lookahead import lookahead
+    from compress.decode.lookahead import lookahead
 
     model = tiny("llama", layers=3)
     window, ngram, guesses = shape
@@ -169,7 +169,7 @@ def test_lookahead_is_token_identical_to_greedy(shape):
 def test_lookahead_mask_and_positions_reproduce_plain_causal_logits():
     """Each window column and each candidate, run in one masked forward, scores exactly as the
     same tokens run alone after the prefix."""
-    from compress.lookahead import _layout
+    from compress.decode.lookahead import _layout
 
     model = tiny("llama")
     prefix, rows, candidates = _prompt(), [[1, 2, 3], [4, 5, 6]], [[7, 8], [9, 10, 11]]
@@ -195,7 +195,7 @@ def test_lookahead_mask_and_positions_reproduce_plain_causal_logits():
 
 def test_lookahead_refuses_a_context_beyond_the_sliding_window():
     from compress.decode import DecodeError
-    from compress.lookahead import lookahead
+    from compress.decode.lookahead import lookahead
 
     with pytest.raises(DecodeError, match="sliding window"):
         lookahead(tiny("gemma3_text"), _prompt(), 20)

@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from compress.decode import greedy
-from compress.early_exit import calibrate, default_exits, early_exit_greedy
+from compress.decode.early_exit import calibrate, default_exits, early_exit_greedy
 from tests.conftest import tiny
 
 PROMPT = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(0))

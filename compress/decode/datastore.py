@@ -17,7 +17,7 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from .decode import DecodeError, write_json
+from .loop import DecodeError, write_json
 
 
 class Datastore:

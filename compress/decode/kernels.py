@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .quant import QuantizedWeight, QuantScheme, input_quant_of, quantized_of
+from ..quant import QuantizedWeight, QuantScheme, input_quant_of, quantized_of
 
 INT4_GROUPS = (32, 64, 128, 256)
 

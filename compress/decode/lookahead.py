@@ -27,7 +27,7 @@ from collections import OrderedDict
 import torch
 from transformers import DynamicCache
 
-from .decode import DecodeError, DecodeResult, Sampling, _device, _forward, _sync
+from .loop import DecodeError, DecodeResult, Sampling, device_of, forward_logits, sync
 
 
 class NgramPool:
@@ -128,7 +128,7 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
     fastest of six shapes tried for SmolLM2-135M on a 2-core CPU."""
     if window < 1 or ngram < 2 or guesses < 0:
         raise DecodeError("lookahead needs --window ≥ 1, --ngram ≥ 2 and --guesses ≥ 0")
-    device, start = _device(model), time.perf_counter()
+    device, start = device_of(model), time.perf_counter()
     cache = DynamicCache(config=model.config)
     limit = min((getattr(layer, "sliding_window", None) or 1 << 62) for layer in cache.layers)
     context = prompt.reshape(-1).tolist()
@@ -140,7 +140,7 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
     generator = torch.Generator().manual_seed(sampling.seed)  # the window's first guesses, and sampling
     rows = [[context[int(i)] for i in torch.randint(len(context), (window,), generator=generator)]]
     dtype = next(model.parameters()).dtype
-    last_logits = _forward(model, prompt, cache, device, all_logits=False)[-1:]
+    last_logits = forward_logits(model, prompt, cache, all_logits=False)[-1:]
     _, _, next_token = accept_candidates([], [], last_logits, sampling, generator)
     tokens, forwards, proposed, accepted = [], 1, 0, 0
     while True:
@@ -184,5 +184,5 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
         context += kept
         for i in range(max(0, len(context) - len(kept) - ngram + 1), len(context) - ngram + 1):
             pool.add(context[i], tuple(context[i + 1 : i + ngram]))  # the output seeds the pool too
-    _sync(device)
+    sync(device)
     return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .decode import DecodeError, DecodeResult, _device, _sync
+from .loop import DecodeError, DecodeResult, device_of, sync
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 Measure = Literal["softmax", "saturation"]
@@ -68,7 +68,7 @@ def early_exit_greedy(model, prompt: torch.Tensor, max_new_tokens: int, threshol
     ``extra["mean_layers"]``: layers run in full per generated token, on average.
     """
     _check(model)
-    device, start = _device(model), time.perf_counter()
+    device, start = device_of(model), time.perf_counter()
     inner, layers = model.model, model.model.layers
     exits = {i for i in exits if 0 <= i < len(layers) - 1}
     cache = cache if cache is not None else DynamicCache(config=model.config)
@@ -94,7 +94,7 @@ def early_exit_greedy(model, prompt: torch.Tensor, max_new_tokens: int, threshol
                 exited = i
         logits = _logits(model, hidden)[0, -1]
         depths.append(len(layers) if exited is None else exited + 1)
-    _sync(device)
+    sync(device)
     result = DecodeResult(tokens, len(tokens), time.perf_counter() - start)
     result.extra["mean_layers"] = sum(depths) / max(1, len(depths))
     return result
@@ -110,7 +110,7 @@ def calibrate(model, ids: torch.Tensor, exits: list[int], measure: Measure = "so
     K/V are the full model's: decoding sees slightly worse states, hence a margin in ``target``.
     """
     _check(model)
-    ids = ids.to(_device(model))
+    ids = ids.to(device_of(model))
     out = model(input_ids=ids, output_hidden_states=True)
     final = out.logits.argmax(-1)
     states, count = out.hidden_states, len(model.model.layers)  # states[i + 1] leaves layer i

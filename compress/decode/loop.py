@@ -1,0 +1,204 @@
+"""The decoder: plain greedy decoding, and one propose–verify loop for every speculative method.
+
+Each step of ``speculate`` takes the token the target already chose, asks a proposer for up
+to ``k`` candidates after it, and scores all of them in one target forward with the KV
+cache. Greedy keeps the longest prefix the target agrees with, so the output is the target's
+own greedy output; sampling uses the speculative rejection rule (Leviathan et al. 2023, Chen
+et al. 2023), so the output distribution is the target's. The cache is then cropped back
+past the rejected candidates, and the target's distribution after the last kept token picks
+the next token (the "bonus" token): every target forward yields at least one token.
+
+The target is a *runner*: ``forward(ids, all_logits) -> logits`` appends ``ids`` to its KV
+cache and returns their logits (float32, one row per token), ``crop(n)`` forgets the last
+``n`` cached tokens, ``reset()`` empties the cache. ``engine.Engine`` is the fast one (our
+forward over a preallocated cache); ``HFRunner`` wraps a transformers model and its cache, for
+what the engine does not cover. A plain transformers model passed in is wrapped in an
+``HFRunner``. Proposers: ``propose(context, k) -> (tokens, draft probabilities or None)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+
+class DecodeError(ValueError):
+    """A decoding request that cannot run as asked; the message says what to change."""
+
+
+@dataclass
+class Sampling:
+    """``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution tokens are drawn from: softmax(logits / T), cut to the top-p nucleus."""
+        p = torch.softmax(logits.float() / self.temperature, -1)
+        if self.top_p < 1:
+            sorted_p, order = p.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p >= self.top_p  # keep the smallest set reaching top_p
+            sorted_p[drop] = 0
+            p = torch.zeros_like(p).scatter(-1, order, sorted_p)
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+
+@dataclass
+class DecodeResult:
+    tokens: list[int]  # the new tokens
+    forwards: int  # target forward passes, the prompt's included
+    seconds: float
+    proposed: int = 0
+    accepted: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """New tokens per target forward after the prompt's (1.0 for plain decoding)."""
+        return len(self.tokens) / max(1, self.forwards - 1)
+
+
+def forward_logits(model, ids: list[int] | torch.Tensor, cache, all_logits: bool = True) -> torch.Tensor:
+    """A transformers model's float32 logits for ``ids`` appended to ``cache``, one row per token."""
+    ids = torch.as_tensor(ids, device=device_of(model)).reshape(1, -1)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+    return out.logits[0].float()
+
+
+def device_of(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+class HFRunner:
+    """A transformers model and its cache (dynamic, or a KIVI cache) as a runner."""
+
+    def __init__(self, model, cache=None):
+        self.model, self.device, self.config = model, device_of(model), model.config
+        self.reset(cache)
+
+    def reset(self, cache=None) -> None:
+        self.cache = cache if cache is not None else DynamicCache(config=self.model.config)
+
+    def forward(self, ids: list[int] | torch.Tensor, all_logits: bool = True) -> torch.Tensor:
+        return forward_logits(self.model, ids, self.cache, all_logits)
+
+    def crop(self, n: int) -> None:
+        if n:
+            self.cache.crop(-n)
+
+
+def runner_for(model, cache=None):
+    """``model`` itself if it is a runner (reset to an empty cache), else an ``HFRunner`` around it."""
+    if hasattr(model, "crop"):
+        model.reset()
+        return model
+    return HFRunner(model, cache)
+
+
+@torch.no_grad()
+def greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos: set[int] = frozenset(), cache=None) -> DecodeResult:
+    """One token per forward, with the KV cache: the baseline every method is measured against."""
+    runner, start = runner_for(model, cache), time.perf_counter()
+    logits = runner.forward(prompt, all_logits=False)[-1]
+    tokens, forwards = [], 1
+    while True:
+        token = int(logits.argmax())
+        tokens.append(token)
+        if token in eos or len(tokens) >= max_new_tokens:
+            break
+        logits = runner.forward([token])[-1]
+        forwards += 1
+    sync(runner.device)
+    return DecodeResult(tokens, forwards, time.perf_counter() - start)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def accept_greedy(candidates: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
+    """(accepted count, next token): candidates kept while they equal the target's argmax."""
+    choices = target_logits.argmax(-1).tolist()
+    n = common_prefix(candidates, choices)
+    return n, choices[n]
+
+
+def accept_sampled(candidates: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+                   generator: torch.Generator) -> tuple[int, int]:
+    """The speculative rejection rule: keep candidate i with probability min(1, p_i / q_i); at the
+    first rejection draw from normalize(max(0, p − q)); if all are kept, draw from the target.
+    ``draft_probs`` None: deterministic candidates (q is one-hot)."""
+    for i, token in enumerate(candidates):
+        p = target_probs[i]
+        q = draft_probs[i] if draft_probs is not None else torch.zeros_like(p).index_fill_(0, torch.tensor(token), 1.0)
+        if torch.rand((), generator=generator).item() * q[token].item() < p[token].item():
+            continue
+        residual = (p - q).clamp(min=0)
+        residual = residual / residual.sum() if residual.sum() > 0 else p
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    return len(candidates), int(torch.multinomial(target_probs[len(candidates)], 1, generator=generator))
+
+
+@torch.no_grad()
+def speculate(model, prompt: torch.Tensor, max_new_tokens: int, proposer, k: int = 8,
+              sampling: Sampling = Sampling(), eos: set[int] = frozenset(), cache=None) -> DecodeResult:
+    """Propose up to ``k`` tokens, verify them in one target forward, keep what the target accepts."""
+    runner, start = runner_for(model, cache), time.perf_counter()
+    generator = torch.Generator().manual_seed(sampling.seed)
+    context = prompt.reshape(-1).tolist()
+    logits = runner.forward(prompt, all_logits=False)[-1:]
+    if sampling.greedy:
+        next_token = int(logits[-1].argmax())
+    else:
+        next_token = int(torch.multinomial(sampling.probs(logits[-1]).cpu(), 1, generator=generator))
+    tokens, forwards, proposed, accepted = [], 1, 0, 0
+    while True:
+        tokens.append(next_token)
+        context.append(next_token)
+        if next_token in eos or len(tokens) >= max_new_tokens:
+            break
+        room = min(k, max_new_tokens - len(tokens) - 1)  # the bonus token needs a place too
+        candidates, draft_probs = proposer.propose(context, room) if room > 0 else ([], None)
+        logits = runner.forward([next_token, *candidates])  # (1 + len(candidates), vocab)
+        forwards += 1
+        if sampling.greedy:
+            n, next_token = accept_greedy(candidates, logits)
+        else:
+            n, next_token = accept_sampled(candidates, sampling.probs(logits).cpu(), draft_probs, generator)
+        proposed, accepted = proposed + len(candidates), accepted + n
+        kept = candidates[:n]
+        stop = next((i for i, t in enumerate(kept) if t in eos), None)
+        if stop is not None:  # an accepted end-of-sequence ends the output there
+            tokens += kept[: stop + 1]
+            break
+        tokens += kept
+        context += kept
+        runner.crop(len(candidates) - n)  # forget the rejected candidates
+    sync(runner.device)
+    return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def write_json(path: Path, payload, indent: int | None = None) -> None:
+    """Write beside ``path``, then rename: a crash leaves the old file or the new one, never half of one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=indent))
+    os.replace(tmp, path)
