@@ -19,13 +19,17 @@ export loaded by transformers holds its scale and the weight (as int8, or unpack
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
+import weakref
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ..quant import QuantizedWeight, QuantScheme, input_quant_of, quantized_of
+from ..quant import QuantizedWeight, QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
 
 INT4_GROUPS = (32, 64, 128, 256)
 
@@ -238,3 +242,257 @@ def attach_from_export(model: nn.Module, folder: str | Path) -> int:
                 model.get_submodule(name).quantized = QuantizedWeight(scheme, q.to(torch.int8), scale, zero)
                 count += 1
     return count
+
+
+# --- Weight formats for the decode engine -------------------------------------------------
+#
+# A ``Matmul`` holds one linear group's weights (q/k/v or gate/up fused by rows) in one format
+# and computes ``x @ Wᵀ + b`` for rows ``x`` in the engine's dtype. Which format is fastest for
+# a one-row product depends on the CPU (see ``choose``); which formats are allowed depends on
+# what the weights are: a format is offered only where it holds them exactly, unless a lossy
+# one is asked for (a W4 draft, a quantized lm_head).
+
+FORMATS = ("fp32", "fp32-onednn", "bf16", "int8", "int4", "w8a8")
+
+
+class Matmul:
+    fmt = ""
+    dtype = torch.float32  # what the kernel takes; inputs are cast to it and outputs back
+    nbytes = 0
+
+    def __init__(self, bias: torch.Tensor | None):
+        self.bias = None if bias is None else bias.detach().to(self.dtype)
+        self.handle = next(_HANDLES)
+        _MATMULS[self.handle] = self
+
+    @property
+    def out_shape(self) -> torch.Tensor:
+        if not hasattr(self, "_out_shape"):
+            self._out_shape = torch.empty(self.out_features, dtype=torch.float32 if self.fmt == "w8a8" else self.dtype)
+        return self._out_shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x_in = x.to(self.dtype)
+        y = _matmul_op(x_in, self.handle, self.out_shape) if torch.compiler.is_compiling() else self.matmul(x_in)
+        return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+
+# Under torch.compile each matmul is one opaque call (the compiler cannot lower prepacked or
+# packed-integer weights), found by handle; everything between matmuls is compiled and fused.
+_MATMULS: weakref.WeakValueDictionary[int, Matmul] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+@torch.library.custom_op("compress::matmul", mutates_args=())
+def _matmul_op(x: torch.Tensor, handle: int, out_shape: torch.Tensor) -> torch.Tensor:
+    return _MATMULS[handle].matmul(x)
+
+
+@_matmul_op.register_fake
+def _(x: torch.Tensor, handle: int, out_shape: torch.Tensor) -> torch.Tensor:
+    """``out_shape``: an empty (out_features,) tensor of the output's dtype, so the compiler
+    knows the result without reading the handle (symbolic under dynamic shapes)."""
+    return x.new_empty((x.shape[0], out_shape.shape[0]), dtype=out_shape.dtype)
+
+
+class Dense(Matmul):
+    """``F.linear`` in fp32 (MKL's GEMV for one row), or in the model's dtype on an accelerator."""
+
+    def __init__(self, weight: torch.Tensor, bias, dtype: torch.dtype = torch.float32):
+        self.dtype, self.fmt = dtype, "fp32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
+        super().__init__(bias)
+        self.weight = weight.to(dtype).contiguous()
+        self.nbytes, self.out_features = self.weight.nbytes, weight.shape[0]
+
+    def matmul(self, x):
+        return F.linear(x, self.weight)
+
+
+class OneDNN(Matmul):
+    """oneDNN's matmul over a weight reordered once into its blocked layout (fp32 or bf16)."""
+
+    def __init__(self, weight: torch.Tensor, bias, dtype: torch.dtype):
+        self.dtype, self.fmt = dtype, "fp32-onednn" if dtype == torch.float32 else "bf16"
+        super().__init__(bias)
+        w = weight.to(dtype).contiguous()
+        self.packed, self.nbytes = torch.ops.mkldnn._reorder_linear_weight(w), w.nbytes
+        self.out_features = w.shape[0]
+
+    def matmul(self, x):
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+class Int4(Matmul):
+    """torch's packed-int4 CPU kernel (tinygemm layout, ``u = q + 8``, ``zero = −z·scale``), fed
+    bf16 rows: its fp32 path is 20–30× slower on every CPU measured here."""
+
+    fmt, dtype = "int4", torch.bfloat16
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias):
+        super().__init__(bias)
+        self.group_size = q.shape[1] // scale.shape[1]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
+        scale = scale.float()
+        self.scales_and_zeros = torch.stack([scale, -zero.float() * scale], -1).transpose(0, 1).contiguous() \
+            .to(self.dtype)
+        self.nbytes = q.numel() // 2 + self.scales_and_zeros.nbytes
+        self.out_features = q.shape[0]
+
+    def matmul(self, x):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+
+
+class Int8(Matmul):
+    """Weight-only int8 with one scale per output row (``_weight_int8pack_mm``), fed bf16 rows."""
+
+    fmt, dtype = "int8", torch.bfloat16
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias):
+        super().__init__(bias)
+        self.q, self.scale = q.to(torch.int8).contiguous(), scale.reshape(-1).to(self.dtype)
+        self.nbytes, self.out_features = self.q.nbytes + self.scale.nbytes, q.shape[0]
+
+    def matmul(self, x):
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+
+class W8A8(Matmul):
+    """Int8 weights and per-token int8 activations on ``torch._int_mm`` (SmoothQuant's exports)."""
+
+    fmt = "w8a8"
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias):
+        super().__init__(bias)
+        self.weight_t, self.scale = q.t().contiguous(), scale.float().reshape(1, -1)
+        self.nbytes, self.out_features = self.weight_t.nbytes + self.scale.nbytes, q.shape[0]
+
+    def matmul(self, x):
+        scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp(min=1e-8)
+        q = torch.round(x / scale).clamp(-128, 127).to(torch.int8)
+        return torch._int_mm(q, self.weight_t).float() * scale * self.scale
+
+
+def takes_bf16(fmt: str) -> bool:
+    """Whether the format's kernel takes bf16 rows (so a bf16 residual stream needs no casts)."""
+    return fmt in ("bf16", "int8", "int4")
+
+
+def _stacked(linears: list, part) -> torch.Tensor:
+    return torch.cat([part(lin) for lin in linears])
+
+
+def _bias(linears: list) -> torch.Tensor | None:
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.bias.detach() if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears])
+
+
+def exact_formats(linears: list, device: torch.device) -> list[str]:
+    """The formats that hold every linear of the group exactly, on ``device``."""
+    if device.type != "cpu":
+        return ["dense"]
+    if all(_w8a8_integers(lin) is not None for lin in linears):
+        return ["w8a8"]  # its activations are int8 by design: the float formats would not be W8A8
+    found = ["fp32"] + (["fp32-onednn"] if onednn_available() else [])
+    weights = [lin.weight.detach() for lin in linears]
+    if all(torch.equal(w.to(torch.bfloat16).to(w.dtype), w) for w in weights):
+        found.append("bf16")
+    schemes = [quantized_of(lin) and quantized_of(lin).scheme for lin in linears]
+    if all(s is not None and s.bits == 8 and s.symmetric and s.group_size == -1 for s in schemes):
+        found.append("int8")
+    if int4_kernel_available() and all(s is not None and s.bits == 4 for s in schemes) and \
+            len({quantized_of(lin).scale.shape[1] for lin in linears}) == 1 and \
+            linears[0].in_features // quantized_of(linears[0]).scale.shape[1] in INT4_GROUPS and \
+            sum(lin.out_features for lin in linears) % 16 == 0:
+        found.append("int4")
+    return found
+
+
+def build(fmt: str, linears: list, device: torch.device) -> Matmul:
+    """One ``Matmul`` over ``linears`` fused by rows, in ``fmt``; lossy formats round first."""
+    bias = _bias(linears)
+    weight = lambda: _stacked(linears, lambda lin: lin.weight.detach())  # noqa: E731
+    if fmt == "dense":
+        return Dense(weight(), bias, linears[0].weight.dtype)
+    if fmt == "fp32":
+        return Dense(weight(), bias)
+    if fmt in ("fp32-onednn", "bf16"):
+        return OneDNN(weight(), bias, torch.float32 if fmt == "fp32-onednn" else torch.bfloat16)
+    if fmt == "w8a8":
+        q, scale = zip(*(_w8a8_integers(lin) for lin in linears))
+        return W8A8(torch.cat(q), torch.cat(scale), bias)
+    qws = [quantized_of(lin) or quantize_weight(lin.weight.detach().float(), _LOSSY[fmt](lin), torch.bfloat16)
+           for lin in linears]
+    if fmt == "int8":
+        return Int8(torch.cat([qw.q for qw in qws]), torch.cat([qw.scale for qw in qws]), bias)
+    if fmt == "int4":
+        return Int4(torch.cat([qw.q for qw in qws]), torch.cat([qw.scale for qw in qws]),
+                    torch.cat([qw.zero_point for qw in qws]), bias)
+    raise ValueError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+
+
+def _int4_group(lin) -> int:
+    return next(g for g in (128, 64, 32) if lin.in_features % g == 0)
+
+
+_LOSSY = {"int8": lambda lin: QuantScheme(8, -1, True),
+          "int4": lambda lin: QuantScheme(4, _int4_group(lin), True)}
+
+
+def rtn_w4(linear: nn.Linear) -> nn.Linear:
+    """A copy of ``linear`` rounded to 4 bits (round-to-nearest, symmetric, largest group of
+    128/64/32 that divides its width) with its integers recorded, for an in-memory W4 draft."""
+    out = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    device="meta")
+    out.bias = linear.bias
+    qw = quantize_weight(linear.weight.detach().float(), _LOSSY["int4"](linear), torch.bfloat16)
+    out.weight = nn.Parameter(dequantize(qw.q, qw.scale, qw.zero_point, torch.bfloat16).to(linear.weight.dtype),
+                              requires_grad=False)
+    out.quantized = qw
+    return out
+
+
+def _time_one_row(matmuls: list[Matmul], width: int, dtype: torch.dtype, device: torch.device,
+                  repeats: int = 5) -> float:
+    """Median ms to push one row through every matmul in turn (the weights stream as in decoding)."""
+    x = torch.randn(1, width, dtype=dtype, device=device)
+    for m in matmuls:
+        m(x)  # warm-up: first calls allocate
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for m in matmuls:
+            m(x)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[repeats // 2] * 1e3
+
+
+def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
+           lossy: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
+    """The format of each linear group (name -> per-layer lists of linears), and what each
+    timed candidate took for one token (ms over all layers).
+
+    ``auto`` times every exact format and keeps the fastest; ``dense`` keeps plain matmuls;
+    a format name is used where it is exact, else the group stays dense. ``lossy`` names a
+    format per group to use whatever the weights are.
+    """
+    formats, timings = {}, {}
+    for name, layers in groups.items():
+        if lossy and name in lossy:
+            formats[name] = lossy[name]
+            continue
+        exact = [f for f in exact_formats(layers[0], device)
+                 if all(f in exact_formats(lins, device) for lins in layers[1:])] or ["fp32"]
+        if kernel == "dense" or len(exact) == 1 or kernel not in ("auto",) + FORMATS:
+            formats[name] = "w8a8" if exact == ["w8a8"] else ("dense" if device.type != "cpu" else "fp32")
+        elif kernel != "auto":
+            formats[name] = kernel if kernel in exact else "fp32"
+        else:
+            width = layers[0][0].in_features
+            timings[name] = {}
+            for fmt in exact:
+                built = [build(fmt, lins, device) for lins in layers]
+                timings[name][fmt] = _time_one_row(built, width, torch.float32, device)
+                del built
+            formats[name] = min(timings[name], key=timings[name].get)
+    return formats, timings

@@ -1,0 +1,299 @@
+"""The decode engine: our own forward over a loaded model's weights, with a preallocated KV cache.
+
+Why our own forward rather than transformers' with a static cache: one decoded token through
+transformers' eager modeling code costs about 4× the time its weights take to stream on this
+project's CPUs (SmolLM2 fp32: 64 ms a token where 538 MB at ~35 GB/s is 15 ms), and that
+overhead lives in the modeling code (mask construction, cache bookkeeping, many small modules
+and ops), not in the arithmetic. The forward below does per layer what the paper-level model
+needs and nothing else: one fused q/k/v matmul, RMSNorm, rotary from a precomputed table, a
+write into the preallocated cache, SDPA over the filled part, one fused gate/up matmul. It
+reads the weights from the loaded transformers model, so everything ``models.load`` reads
+(aliases, folders, our exports) decodes here, and it is checked token for token against
+transformers' greedy (``tests/test_engine.py``).
+
+Each linear group (q/k/v, o, gate/up, down, lm_head) runs on a kernel from ``kernels``: the
+formats that represent its weights exactly (fp32 and bf16 for bf16 checkpoints; int4 for W4
+exports; int8 for per-channel W8; ``_int_mm`` for W8A8), the fastest measured on this machine
+(``kernel="auto"``), or one named.
+
+Supported: Llama, Mistral, Qwen2, Qwen3 and Gemma-3 text blocks (q/k norms, sandwich norms,
+``1 + w`` norms, scaled embeddings, sliding-window layers, logit soft-capping).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..models import cache_dir
+from . import kernels
+from .loop import DecodeError, device_of
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+@dataclass
+class Norm:
+    """RMSNorm: Llama-style ``w · norm(x)`` (cast first), or Gemma-style ``(1 + w) · norm(x)`` in fp32."""
+
+    weight: torch.Tensor
+    eps: float
+    plus_one: bool
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight).to(x.dtype) if self.plus_one else self.weight * h.to(x.dtype)
+
+
+def _norm(module, dtype: torch.dtype, plus_one: bool) -> Norm | None:
+    if module is None:
+        return None
+    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
+    w = module.weight.detach()
+    return Norm(1.0 + w.float() if plus_one else w.to(dtype), eps, plus_one)
+
+
+@dataclass
+class Layer:
+    qkv: kernels.Matmul
+    o: kernels.Matmul
+    gate_up: kernels.Matmul
+    down: kernels.Matmul
+    attn_norm: Norm
+    mlp_norm: Norm
+    post_attn_norm: Norm | None  # Gemma-3's sandwich norms
+    post_mlp_norm: Norm | None
+    q_norm: Norm | None  # Qwen3, Gemma-3
+    k_norm: Norm | None
+    window: int | None  # sliding-window attention: keys within this many positions
+    rotary: str  # which rotary table
+
+
+def _linears(layer) -> dict[str, list]:
+    a, m = layer.self_attn, layer.mlp
+    return {"qkv": [a.q_proj, a.k_proj, a.v_proj], "o": [a.o_proj], "gate_up": [m.gate_proj, m.up_proj],
+            "down": [m.down_proj]}
+
+
+class Engine:
+    """A runner (``forward``/``crop``/``reset``, see ``loop``) over ``model``'s weights.
+
+    ``kernel``: ``auto`` (time the exact formats of each linear group, keep the fastest),
+    ``dense`` (fp32 on the CPU, the model's dtype elsewhere), or a format name from
+    ``kernels.FORMATS`` applied wherever it is exact. ``quantize="w4"`` rounds the block
+    linears to 4 bits in memory first (lossy: a draft for the original). ``lm_head``: a lossy
+    format for the output layer (``int8``, ``int4``), or None to keep it exact.
+    ``max_len``: cache slots; the cache grows when a request needs more. ``dtype``: the
+    residual stream's; by default bf16 on a CPU when every chosen kernel takes bf16 (then the
+    engine computes what transformers computes in bf16), else fp32; the model's on a GPU.
+    ``compile``: run the blocks through ``torch.compile`` (dynamic shapes, so one graph serves
+    every length; artifacts cached under ``$COMPRESS_CACHE/inductor``); eager if it fails.
+    """
+
+    def __init__(self, model, kernel: str = "auto", max_len: int = 1024, quantize: str | None = None,
+                 lm_head: str | None = None, dtype: torch.dtype | None = None, compile: bool = False):
+        config = model.config
+        if config.model_type not in SUPPORTED:
+            raise DecodeError(f"the decode engine supports {', '.join(SUPPORTED)} models, not {config.model_type}")
+        act = getattr(config, "hidden_activation", None) or config.hidden_act
+        if act not in ACTIVATIONS:
+            raise DecodeError(f"the decode engine has no {act!r} activation (known: {', '.join(ACTIVATIONS)})")
+        self.device, self.config, self.act = device_of(model), config, ACTIVATIONS[act]
+        inner = model.model
+        gemma = config.model_type.startswith("gemma")
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scaling = inner.layers[0].self_attn.scaling
+        self.softcap_attn = getattr(config, "attn_logit_softcapping", None)
+        self.softcap_logits = getattr(config, "final_logit_softcapping", None)
+        self.embed = inner.embed_tokens.weight.detach()
+        self.embed_scale = float(getattr(inner.embed_tokens, "scalar_embed_scale", 1.0))
+        self.rotary_module = inner.rotary_emb
+        if quantize not in (None, "w4"):
+            raise DecodeError(f"quantize={quantize!r}: only w4 (round-to-nearest 4-bit, in memory) is offered")
+
+        groups = [_linears(layer) for layer in inner.layers]
+        if quantize == "w4":
+            groups = [{name: [kernels.rtn_w4(lin) for lin in lins] for name, lins in g.items()} for g in groups]
+        head = [model.lm_head]
+        self.formats, self.timings = kernels.choose(
+            {name: [g[name] for g in groups] for name in groups[0]} | {"lm_head": [head]},
+            kernel, self.device, lossy={"lm_head": lm_head} if lm_head else {})
+        bf16_kernels = all(kernels.takes_bf16(fmt) for fmt in self.formats.values())
+        self.dtype = dtype or (model.dtype if self.device.type != "cpu" else
+                               torch.bfloat16 if bf16_kernels else torch.float32)
+        self.final_norm = _norm(inner.norm, self.dtype, gemma)
+        self.lm_head = kernels.build(self.formats["lm_head"], head, self.device)
+        self.layers = []
+        for i, (layer, g) in enumerate(zip(inner.layers, groups)):
+            a = layer.self_attn
+            window = getattr(a, "sliding_window", None)
+            if config.model_type == "mistral":
+                window = getattr(config, "sliding_window", None)
+            self.layers.append(Layer(
+                **{name: kernels.build(self.formats[name], lins, self.device) for name, lins in g.items()},
+                attn_norm=_norm(layer.input_layernorm, self.dtype, gemma),
+                mlp_norm=_norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm,
+                               self.dtype, gemma),
+                post_attn_norm=_norm(layer.post_attention_layernorm, self.dtype, gemma) if gemma else None,
+                post_mlp_norm=_norm(layer.post_feedforward_layernorm, self.dtype, gemma) if gemma else None,
+                q_norm=_norm(getattr(a, "q_norm", None), self.dtype, gemma),
+                k_norm=_norm(getattr(a, "k_norm", None), self.dtype, gemma),
+                window=window, rotary=config.layer_types[i] if gemma else "default"))
+        self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        self.context = getattr(config, "max_position_embeddings", None) or 1 << 20
+        self.max_len, self.length, self.k_cache, self.v_cache = 0, 0, [], []
+        self._allocate(max_len)
+        self.compiled, self.compile_seconds, self.note = None, 0.0, ""
+        if compile:
+            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+            self.compiled = torch.compile(self._body, fullgraph=True, dynamic=True)
+
+    @property
+    def layer_count(self) -> int:
+        return len(self.layers)
+
+    def _allocate(self, max_len: int) -> None:
+        """Cache slots and rotary tables for ``max_len`` positions (kept entries are copied over)."""
+        max_len = min(max_len, self.context)
+        shape = (1, self.kv_heads, max_len, self.head_dim)
+        old = self.k_cache + self.v_cache if self.length else []
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        for new, kept in zip(self.k_cache + self.v_cache, old):
+            new[:, :, : self.length] = kept[:, :, : self.length]
+        positions = torch.arange(max_len, device=self.device)[None]
+        probe = torch.zeros((), dtype=self.dtype, device=self.device)
+        self.rotary = {}
+        for kind in {layer.rotary for layer in self.layers}:
+            args = () if kind == "default" else (kind,)
+            cos, sin = self.rotary_module(probe, positions, *args)
+            self.rotary[kind] = (cos[0].to(self.dtype), sin[0].to(self.dtype))
+        self.max_len = max_len
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def crop(self, n: int) -> None:
+        """Forget the last ``n`` cached tokens (their slots are overwritten by the next forward)."""
+        self.length -= n
+
+    def subset(self, keep: list[int]) -> Engine:
+        """The same weights with only the layers ``keep`` run, and a cache of its own: a draft."""
+        keep = sorted(set(keep))
+        if not keep or keep[-1] >= len(self.layers) or keep[0] < 0:
+            raise DecodeError(f"--layers must stay within 0-{len(self.layers) - 1}")
+        view = copy.copy(self)
+        view.layers = [self.layers[i] for i in keep]
+        view.length, view.k_cache, view.v_cache = 0, [], []
+        view._allocate(self.max_len)
+        if self.compiled is not None:  # a graph of its own: the view runs other layers
+            view.compiled, view.compile_seconds = torch.compile(view._body, fullgraph=True, dynamic=True), 0.0
+        return view
+
+    @torch.no_grad()
+    def forward(self, ids: list[int] | torch.Tensor, all_logits: bool = True) -> torch.Tensor:
+        """Float32 logits of ``ids`` appended to the cache: (len(ids), vocab), or (1, vocab)."""
+        ids = torch.as_tensor(ids, device=self.device).reshape(-1)
+        start, count = self.length, ids.numel()
+        if start + count > self.context:
+            raise DecodeError(f"{start + count} tokens do not fit: the model's context is {self.context} tokens; "
+                              "shorten the prompt or ask for fewer new tokens")
+        if start + count > self.max_len:
+            self._allocate(max(2 * self.max_len, start + count))
+        positions = torch.arange(start, start + count, device=self.device)
+        x = self._run(ids, positions, start + count)
+        self.length = start + count
+        return self._logits(x if all_logits else x[-1:])
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        if self.compiled is None:
+            return self._body(ids, positions, span)
+        first = not self.compile_seconds
+        start = time.perf_counter()
+        try:
+            x = self.compiled(ids, positions, span)
+        except Exception as e:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower: run eager
+            self.compiled, self.note = None, f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); running eager"
+            print(f"[decode engine: {self.note}]", file=sys.stderr)
+            return self._body(ids, positions, span)
+        if first:
+            self.compile_seconds = time.perf_counter() - start
+        return x
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(self.final_norm(x)).float()
+        cap = self.softcap_logits
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _masks(self, positions: torch.Tensor, span: int) -> dict:
+        """Per window size, which of the ``span`` cache slots each new token sees (None: all)."""
+        slots = torch.arange(span, device=self.device)
+        causal = slots[None, :] <= positions[:, None]
+        masks = {None: None if positions.numel() == 1 else causal}
+        for window in {layer.window for layer in self.layers} - {None}:
+            masks[window] = causal & (positions[:, None] - slots[None, :] < window)
+        return masks
+
+    def _body(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """The decoder blocks over new tokens at ``positions``, attending to cache slots ``[0, span)``."""
+        x = F.embedding(ids, self.embed).to(self.dtype)
+        if self.embed_scale != 1.0:
+            x = x * torch.tensor(self.embed_scale, dtype=self.embed.dtype).to(self.dtype)
+        count, masks = ids.numel(), self._masks(positions, span)
+        rotary = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in self.rotary.items()}
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+            h = layer.attn_norm(x)
+            q, k, v = layer.qkv(h).split([self.q_size, self.kv_size, self.kv_size], -1)
+            q = q.view(count, self.heads, self.head_dim).transpose(0, 1)
+            k = k.view(count, self.kv_heads, self.head_dim).transpose(0, 1)
+            if layer.q_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            cos, sin = rotary[layer.rotary]
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            k_cache[0, :, positions] = k
+            v_cache[0, :, positions] = v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)
+            attn = self._attention(q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window])
+            h = layer.o(attn.transpose(0, 1).reshape(count, self.q_size))
+            x = x + (layer.post_attn_norm(h) if layer.post_attn_norm is not None else h)
+            gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, -1)
+            h = layer.down(self.act(gate) * up)
+            x = x + (layer.post_mlp_norm(h) if layer.post_mlp_norm is not None else h)
+        return x
+
+    def _attention(self, q, k, v, mask):
+        if self.softcap_attn is None:
+            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
+                                                  enable_gqa=True)[0]
+        groups = self.heads // self.kv_heads  # soft-capped scores: SDPA cannot, so spelled out
+        k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
+        scores = torch.tanh(q @ k.transpose(1, 2) * self.scaling / self.softcap_attn) * self.softcap_attn
+        if mask is not None:
+            scores = scores.masked_fill(~mask, -math.inf)
+        return torch.softmax(scores.float(), -1).to(q.dtype) @ v
+
+    def describe(self) -> str:
+        """Which kernel each linear group runs on, and what a one-token call of the group took."""
+        return "; ".join(f"{name}: {fmt}" + (f" ({self.timings[name][fmt]:.2f} ms/token)"
+                                            if fmt in self.timings.get(name, {}) else "")
+                         for name, fmt in self.formats.items())
+
+    def weight_bytes(self) -> int:
+        """Bytes one decoded token reads from weights (every linear once; the embedding row is noise)."""
+        return self.lm_head.nbytes + sum(m.nbytes for layer in self.layers
+                                         for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos + rotated * sin

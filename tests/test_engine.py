@@ -1,0 +1,124 @@
+"""The decode engine computes what transformers computes: token for token on the real SmolLM2
+(fp32 and bf16) and on tiny random models of every supported family, a k-token verify equals k
+one-token steps, and rollback, kernels, speculation and bad input behave."""
+
+import pytest
+import torch
+
+from compress.decode import DecodeError, DraftModel, PromptLookup, greedy, layer_subset, speculate
+from compress.decode.engine import Engine
+from tests.conftest import compress_with, tiny
+
+
+def _prompt(length=24, seed=0, vocab=128):
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(0, vocab, (8,), generator=g)
+    return torch.cat([torch.randint(0, vocab, (length - 16,), generator=g), motif, motif]).unsqueeze(0)
+
+
+def _hf_greedy(model, prompt, n):
+    out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, prompt.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text"])
+def test_engine_greedy_equals_transformers_greedy_on_tiny_models(model_type):
+    model = tiny(model_type, layers=4)
+    if model_type == "qwen2":  # q/k/v biases
+        for layer in model.model.layers:
+            for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                lin.bias.data.normal_(0, 0.5)
+    prompt = _prompt()  # 24 tokens: past Gemma-3's 8-token sliding window
+    engine = Engine(model, kernel="fp32", max_len=16)  # grows: 24 + 40 tokens do not fit in 16
+    assert greedy(engine, prompt, 40).tokens == _hf_greedy(model, prompt, 40)
+    assert engine.max_len >= 64
+
+
+def test_verify_step_equals_one_token_steps_and_crop_forgets():
+    model = tiny("gemma3_text", layers=4)
+    engine = Engine(model, kernel="fp32")
+    prompt, more = _prompt(), [5, 17, 99, 3, 42, 7]
+    engine.forward(prompt)
+    together = engine.forward(more)
+    engine.crop(len(more))
+    one_by_one = torch.cat([engine.forward([t]) for t in more])
+    torch.testing.assert_close(together, one_by_one, atol=1e-4, rtol=1e-4)
+    engine.crop(4)  # rejected candidates: the next forward sees only what was kept
+    after_crop = engine.forward([11])
+    engine.reset()
+    engine.forward(prompt)
+    engine.forward(more[:2])
+    torch.testing.assert_close(after_crop, engine.forward([11]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_engine_greedy_equals_transformers_greedy_on_smollm2(smollm2):
+    import copy
+
+    from compress import models
+
+    tokenizer = smollm2.tokenizer
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a poem about the sea at night."}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    bf16 = copy.deepcopy(smollm2.model)  # transformers in bf16, as stored
+    fp32 = models.for_compute(copy.deepcopy(smollm2.model), torch.device("cpu"))
+    assert greedy(Engine(fp32, kernel="fp32"), prompt, 24).tokens == greedy(fp32, prompt, 24).tokens
+    engine = Engine(fp32, kernel="bf16")  # bf16 kernels: a bf16 stream, as transformers computes in bf16
+    assert engine.dtype == torch.bfloat16
+    assert greedy(engine, prompt, 24).tokens == greedy(bf16, prompt, 24).tokens
+
+
+def test_speculation_on_the_engine_is_token_identical_to_its_greedy():
+    model = tiny("llama", layers=4)
+    target = Engine(model, kernel="fp32")
+    prompt = _prompt(40)
+    plain = greedy(target, prompt, 40)
+    drafts = {"prompt lookup": PromptLookup(), "self-w4 draft": DraftModel(Engine(model, quantize="w4"), 0.0),
+              "layer subset": DraftModel(layer_subset(target, [0, 1, 3]), 0.0)}
+    for name, proposer in drafts.items():
+        result = speculate(target, prompt, 40, proposer, k=4)
+        assert result.tokens == plain.tokens, name
+        assert result.accepted > 0, name
+
+
+@pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="no int4 CPU kernel")
+def test_kernels_hold_the_weights_they_are_offered_for():
+    from compress.decode import kernels
+
+    model = tiny("llama", layers=2).to(torch.bfloat16)  # stored in bf16, as checkpoints are
+    compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n")
+    model.float()  # computed in fp32, as on a CPU
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert set(kernels.exact_formats([q_proj], torch.device("cpu"))) >= {"fp32", "bf16", "int4"}
+    assert "int4" not in kernels.exact_formats([tiny("llama").model.layers[0].self_attn.q_proj], torch.device("cpu"))
+    x = torch.randn(3, 64)
+    reference = x @ q_proj.weight.T
+    for fmt in ("fp32", "bf16", "int4"):  # bf16 rows in, so agreement to bf16's precision
+        torch.testing.assert_close(kernels.build(fmt, [q_proj], torch.device("cpu"))(x), reference, atol=0.05,
+                                   rtol=0.02)
+    engine = Engine(model, kernel="auto")
+    assert set(engine.timings["qkv"]) >= {"fp32", "bf16", "int4"}  # every exact format was timed
+    assert engine.formats["qkv"] == min(engine.timings["qkv"], key=engine.timings["qkv"].get)
+
+
+def test_eager_fallback_when_compiling_fails(monkeypatch, capsys):
+    model = tiny("llama")
+    engine = Engine(model, kernel="fp32", compile=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    engine.compiled = broken
+    prompt = _prompt()
+    assert greedy(engine, prompt, 8).tokens == _hf_greedy(model, prompt, 8)
+    assert engine.compiled is None and "running eager" in capsys.readouterr().err
+
+
+def test_bad_requests_get_one_clear_error():
+    model = tiny("llama")  # max_position_embeddings 256
+    engine = Engine(model, kernel="fp32")
+    with pytest.raises(DecodeError, match="context is 256 tokens"):
+        engine.forward(torch.zeros(300, dtype=torch.long))
+    model.config.model_type = "gpt2"
+    with pytest.raises(DecodeError, match="supports llama"):
+        Engine(model)
