@@ -68,12 +68,17 @@ def _eval(args) -> None:
 
 def _decode(args) -> None:
     from . import decode, kvcache, models
-    from .decode import kernels
     from .data import tokenizer_fingerprint
+    from .decode import kernels
     from .decode.datastore import Datastore
+    from .decode.engine import Engine
 
     if args.datastore and args.method != "prompt-lookup":
         raise decode.DecodeError(f"--datastore is for --method prompt-lookup, not {args.method}")
+    if args.draft and args.method not in ("draft", "prompt-lookup"):
+        raise decode.DecodeError(f"--draft is for --method draft or prompt-lookup, not {args.method}")
+    if args.kernel == "int4" and not kernels.int4_kernel_available():
+        raise decode.DecodeError("--kernel int4: this torch build has no int4 CPU kernel; use --kernel auto")
     device = models.pick_device(args.device)
     loaded = models.load(args.model, models.parse_dtype(args.dtype))
     model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
@@ -82,29 +87,31 @@ def _decode(args) -> None:
     else:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                                return_tensors="pt", return_dict=True)["input_ids"]
+    if prompt.numel() == 0:
+        raise decode.DecodeError("the prompt is empty: give --prompt some text")
     prompt = prompt.to(device)
-    kernel = "dense matmuls"
-    if args.kernel == "auto" and device.type == "cpu" and Path(args.model).is_dir():
-        kernels.attach_from_export(model, args.model)
-        for kind, name, swap in (("int4", "_weight_int4pack_mm_for_cpu", kernels.use_int4_kernel),
-                                 ("int8", "_int_mm, per-token int8 activations", kernels.use_int8_kernel)):
-            if (timing := kernels.probe(model, kind)) is None:
-                continue
-            if timing[0] < timing[1]:
-                kernel = f"{kind} kernel ({name}) on {swap(model)} linears"
-            else:
-                kernel = (f"dense matmuls: the {kind} kernel took {timing[0]:.2f} ms per linear against "
-                          f"{timing[1]:.2f} ms on this CPU")
-    if args.kernel == "auto" and device.type == "cpu" and (n := kernels.use_onednn(model)):
-        kernel += f"; {n} fp32 linears on oneDNN for multi-token forwards"
+    if Path(args.model).is_dir():
+        kernels.attach_from_export(model, args.model)  # the export's integers, for the int4/int8 kernels
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
     sampling = decode.Sampling(args.temperature, args.top_p, args.seed)
     cache = kvcache.new_cache(model)
+    room = prompt.shape[1] + args.max_new_tokens + args.k + 1
+
+    def engine(m, **kw):
+        built = Engine(m, kernel=args.kernel, max_len=room, compile=args.compile, **kw)
+        print(f"[decode engine: {built.describe()}; stream {str(built.dtype).removeprefix('torch.')}; "
+              f"{built.weight_bytes() / 1e6:.0f} MB of weights per token]", file=sys.stderr)
+        return built
+
+    on_engine = args.method in ("greedy", "prompt-lookup", "draft", "self-spec")  # KIVI caches too
+    target = engine(model) if on_engine else model
+    if not on_engine and device.type == "cpu" and args.kernel != "dense":
+        kernels.use_onednn(model)  # multi-token forwards (lookahead's) on prepacked oneDNN weights
     if args.method == "greedy":
         if not sampling.greedy:
             raise decode.DecodeError("--method greedy takes no --temperature; use prompt-lookup or draft to sample")
-        result = decode.greedy(model, prompt, args.max_new_tokens, eos, cache=cache)
+        result = decode.greedy(target, prompt, args.max_new_tokens, eos)
     elif args.method == "early-exit":
         if not sampling.greedy or cache is not None:
             raise decode.DecodeError("--method early-exit is greedy with a full-precision cache; drop --temperature")
@@ -117,39 +124,48 @@ def _decode(args) -> None:
                                      "use --method greedy")
         result = lookahead(model, prompt, args.max_new_tokens, args.window, args.ngram, args.guesses, eos, sampling)
     else:
-        if cache is not None:
-            raise decode.DecodeError(f"{args.model} has a quantized KV cache; speculative methods cannot roll it back "
-                             "yet: use --method greedy")
+        draft = None
+        if args.draft == "self-w4":
+            draft = decode.DraftModel(engine(model, quantize="w4", kivi=False), args.threshold, sampling)
+        elif args.draft:
+            other = models.load(args.draft, models.parse_dtype(args.dtype))
+            if tokenizer_fingerprint(other.tokenizer) != tokenizer_fingerprint(tokenizer):
+                raise decode.DecodeError(f"--draft {args.draft} has another tokenizer than {args.model}; a draft must "
+                                         "share the target's vocabulary")
+            draft_model = models.for_compute(other.model, device)
+            if Path(args.draft).is_dir():
+                kernels.attach_from_export(draft_model, args.draft)
+            draft = decode.DraftModel(engine(draft_model, kivi=False), args.threshold, sampling)
         if args.method == "draft":
-            if not args.draft:
-                raise decode.DecodeError("--method draft needs --draft MODEL (same tokenizer)")
-            draft = models.for_compute(models.load(args.draft, models.parse_dtype(args.dtype)).model, device)
-            proposer = decode.DraftModel(draft, args.threshold, sampling)
+            if draft is None:
+                raise decode.DecodeError("--method draft needs --draft MODEL (same tokenizer) or --draft self-w4")
+            proposer = draft
         elif args.method == "self-spec":
-            proposer = decode.DraftModel(decode.layer_subset(model, _draft_layers(args, model, tokenizer, device)),
+            proposer = decode.DraftModel(decode.layer_subset(target, _draft_layers(args, target, tokenizer, device)),
                                          args.threshold, sampling)
         else:
             cost = decode.default_token_cost(device) if args.token_cost == "auto" else args.token_cost
             store = Datastore.load(args.datastore, tokenizer_fingerprint(tokenizer)) if args.datastore else None
             proposer = decode.PromptLookup(token_cost=cost, store=store)
-        result = decode.speculate(model, prompt, args.max_new_tokens, proposer, args.k, sampling, eos)
+            proposer = decode.LookupThenDraft(proposer, draft) if draft else proposer
+        result = decode.speculate(target, prompt, args.max_new_tokens, proposer, args.k, sampling, eos)
         if args.datastore:
             store.add(result.tokens)
             store.save(args.datastore)
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
+    where = "engine" + (", compiled" if args.compile else "") if on_engine else "transformers' forward"
     print(f"\n[{args.method}: {len(result.tokens)} tokens in {result.seconds:.2f} s, "
           f"{len(result.tokens) / result.seconds:.1f} tokens/s, {result.tokens_per_forward:.2f} tokens per "
-          f"target forward, on {device}, {kernel}]", file=sys.stderr)
+          f"target forward, on {device}, {where}]", file=sys.stderr)
 
 
 def _draft_layers(args, model, tokenizer, device) -> list[int]:
     """``--layers`` as given, or (``auto``) the subset saved with the checkpoint, else searched on
     two wikitext calibration prompts and saved next to the checkpoint's weights for next time."""
     from . import decode
-    from .arch import decoder_layers
     from .data import calibration_batches
 
-    count = len(decoder_layers(model))
+    count = decode.layer_count(model)
     if args.layers != "auto":
         return decode.parse_layers(args.layers, count)
     if (keep := decode.saved_layers(args.model, count)) is not None:
@@ -255,7 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "sampling distribution")
     p.add_argument("--layers", default="auto", help="self-spec: the layers that draft, e.g. 0-11 or 0-14,16,18 "
                                                     "(default auto: searched for speed on two calibration prompts)")
-    p.add_argument("--draft", help="draft model for --method draft (e.g. a compressed export of the same model)")
+    p.add_argument("--draft", help="draft model for --method draft (e.g. a compressed export of the same model), or "
+                                    "self-w4: the target's linears rounded to 4 bits in memory, on the int4 kernel; "
+                                    "with --method prompt-lookup it drafts where lookup finds no match")
     p.add_argument("--exit-threshold", type=_auto_or_number, default="auto",
                    help="early-exit: confidence needed to leave early (auto: calibrated for 90%% top-1 agreement)")
     p.add_argument("--exit-measure", choices=["softmax", "saturation"], default="softmax")
@@ -276,10 +294,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--kernel", choices=["auto", "dense"], default="auto",
-                   help="auto: on the CPU, W4 exports run on torch's int4 kernel and W8A8 exports on its int8 "
-                        "matmul where they apply and a quick timing finds them faster, fp32 linears verify on "
-                        "oneDNN; dense: plain torch linears")
+    p.add_argument("--kernel", choices=["auto", "dense", "fp32", "fp32-onednn", "bf16", "int8", "int4"],
+                   default="auto",
+                   help="auto: each linear group runs on the fastest format measured here among those that hold "
+                        "its weights exactly (fp32, bf16, int8 for per-channel W8, int4 for W4 exports; W8A8 exports "
+                        "on torch._int_mm); dense: fp32 matmuls; a format: used wherever it is exact")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the engine's forward with torch.compile (first run: about a minute; cached)")
     common(p)
     p.set_defaults(func=_decode)
 

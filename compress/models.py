@@ -57,6 +57,13 @@ def _gemma3_gguf() -> tuple[Path, str]:
 ALIASES = {"smollm2-135m": _smollm2_gguf, "gemma3-270m": _gemma3_gguf}
 
 
+def bundled_gguf(alias: str) -> tuple[Path, str]:
+    """(folder, file name) of the GGUF file an alias's package ships."""
+    if alias not in ALIASES:
+        raise ModelLoadError(f"{alias!r} is not a bundled model (known: {', '.join(ALIASES)})")
+    return ALIASES[alias]()
+
+
 @dataclass
 class Loaded:
     model: torch.nn.Module

@@ -1,15 +1,26 @@
-"""Decode speed of each method against plain greedy, on grounded and open prompts; a markdown table.
+"""Decode speed of every method against transformers' eager greedy; one markdown row per method as
+soon as it is measured.
 
-    python scripts/bench_decode.py [--model smollm2-135m] [--new-tokens 128] [--draft DIR]
+    python scripts/bench_decode.py [--model smollm2-135m] [--prompts 8] [--new-tokens 128]
+        [--w4 DIR] [--w8a8 DIR] [--kivi DIR] [--only WORD ...] [--skip WORD ...]
 
-Two prompt sets of 8, through the chat template, greedy, batch 1: "grounded" (a ~300-token
-wikitext-2 test passage and a request to repeat or summarise it: the output reuses the
-input) and "open" (open-ended requests). Per method: tokens/s, speedup against our plain
-greedy loop and against transformers' ``generate``, new tokens per target forward, and the
-share of prompts whose output is identical to plain greedy. Every method runs on the same
-model object (fp32 compute on the CPU), one prompt at a time, after one warm-up prompt; each
-prompt goes through every method before the next, so a machine whose speed drifts during the
-run (up to 25% between runs here) slows every method alike.
+Two prompt sets of 8 through the chat template, greedy, batch 1: "grounded" (a ~300-token
+wikitext-2 test passage and a request to repeat or summarise it: the output reuses the input)
+and "open" (open-ended requests). Rows: transformers' eager greedy (fp32, as our evaluation
+computes, and bf16), transformers' static cache + ``torch.compile`` as its docs recommend, our
+engine eager and compiled (kernels chosen by timing), W4 (an export given with ``--w4``, else
+the model rounded to W4 in memory: the same kernel and bytes), W8A8 (``--w8a8``), prompt lookup,
+a W4 copy of the model drafting for it (alone and behind prompt lookup), lookahead, early exit
+(lossy), a KIVI cache (``--kivi``: an export of ``kv-int4``; the engine reproduces KIVI's
+numerics at dense speed, not its memory), and llama.cpp on the bundled
+GGUF when llama-cpp-python is installed. Columns: tokens/s; × transformers' eager fp32 greedy;
+new tokens per target forward; outputs identical to transformers' bf16 greedy (the checkpoint's
+own precision; our bf16 engine is token-identical to it, so lossless rows on it match too); the
+first-run compile seconds (0 once the compiled code is cached on disk); weight bytes read per
+token; and that traffic as a share of the machine's measured read bandwidth (printed in the
+header). Every method runs on a prompt before the next prompt starts, so a machine whose speed
+drifts during the run (this project's shared CPUs do, by up to 2× between runs) slows all
+methods alike; rows are printed at the end of each set, a progress line after each prompt.
 """
 
 from __future__ import annotations
@@ -17,20 +28,18 @@ from __future__ import annotations
 import argparse
 import copy
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from compress import data, models
+from compress import data, kvcache, models
+from compress.decode import DraftModel, LookupThenDraft, PromptLookup, default_token_cost, greedy, speculate
 from compress.decode import early_exit, kernels
-from compress.decode.datastore import Datastore
+from compress.decode.engine import Engine
 from compress.decode.lookahead import lookahead
-from compress.arch import decoder_layers
-from compress.decode import (DraftModel, PromptLookup, default_token_cost, greedy, layer_subset, parse_layers,
-                             search_layers, speculate)
 
 OPEN = [
     "Write a short story about a robot who learns to paint.",
@@ -43,10 +52,10 @@ OPEN = [
     "What should I consider when adopting a dog?",
 ]
 
-
-# Other requests, whose greedy outputs fill the datastore (--datastore); none opens with the
-# first three words of an OPEN prompt, so the store cannot hold a benchmark request's template.
+# Other requests, whose greedy outputs can fill a prompt-lookup datastore (replay_prompt_lookup.py);
+# none opens with the first three words of an OPEN prompt.
 STORE_PROMPTS = Path(__file__).with_name("datastore_prompts.txt")
+ISA = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 
 
 def chat(tokenizer, text: str) -> torch.Tensor:
@@ -61,8 +70,12 @@ def prompts(tokenizer) -> dict[str, list[torch.Tensor]]:
     return {"grounded": [chat(tokenizer, t) for t in grounded], "open": [chat(tokenizer, t) for t in OPEN]}
 
 
-def datastore(path: str, model, tokenizer, new_tokens: int, eos: set[int], device) -> Datastore:
+def datastore(path: str, model, tokenizer, new_tokens: int, eos: set[int], device):
     """The store at ``path``, or one filled with greedy outputs on STORE_PROMPTS and saved there."""
+    from tqdm import tqdm
+
+    from compress.decode.datastore import Datastore
+
     store = Datastore.load(path, data.tokenizer_fingerprint(tokenizer))
     if len(store) == 0:
         asks = STORE_PROMPTS.read_text().splitlines()
@@ -78,161 +91,199 @@ def datastore(path: str, model, tokenizer, new_tokens: int, eos: set[int], devic
 def machine() -> str:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}"
+    return (f"{cpu} ({' '.join(f for f in ISA if f in flags) or 'no AVX2'}), {torch.get_num_threads()} threads, "
+            f"{gpu}, torch {torch.__version__}")
 
 
-def run_hf(model, prompt, new_tokens, eos, **kwargs):
+def read_bandwidth(megabytes: int = 512) -> float:
+    """GB/s of summing a buffer far larger than the caches (the pages touched first)."""
+    buffer = torch.randn(megabytes * 2**20 // 4)
+    buffer.sum()
+    start = time.perf_counter()
+    for _ in range(5):
+        buffer.sum()
+    return 5 * buffer.nbytes / (time.perf_counter() - start) / 1e9
+
+
+def run_hf(model, prompt, new_tokens, **kwargs):
     start = time.perf_counter()
     out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, **kwargs)
-    tokens = out[0, prompt.shape[1]:].tolist()
-    return tokens, time.perf_counter() - start, None
+    return out[0, prompt.shape[1]:].tolist(), time.perf_counter() - start, None
+
+
+def ours(result):
+    return result.tokens, result.seconds, result.forwards - 1
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--draft", help="a draft checkpoint with the same tokenizer (e.g. an export of ours)")
-    parser.add_argument("--device", default="auto")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per set")
-    parser.add_argument("--exit-layer", type=int, default=8,
-                        help="early-exit drafting (ours and transformers') drafts with the layers below this one")
-    parser.add_argument("--w4", help="a W4 export (e.g. of awq-w4): greedy with its weights dequantized to fp32, "
-                                      "and on torch's int4 CPU kernel")
-    parser.add_argument("--w8a8", help="a W8A8 export (e.g. of smoothquant-w8a8): greedy with fake-quantized "
-                                        "activations (as evaluated), and on torch's int8 matmul")
-    parser.add_argument("--self-layers", help="also self-speculate with these layers (e.g. 0-14,16,18), or auto: "
-                                              "searched for speed on two calibration prompts")
-    parser.add_argument("--lookahead", nargs="*", default=["15,5,15", "3,3,5"], metavar="W,N,G",
-                        help="lookahead decoding rows: window, n-gram size, guesses (default: the paper's and ours)")
-    parser.add_argument("--linear", choices=["onednn", "mkl"], default="onednn",
-                        help="fp32 linears of every model: oneDNN for multi-token forwards (kernels.use_onednn), "
-                             "or torch's default (MKL)")
-    parser.add_argument("--datastore", metavar="FILE.json",
-                        help="also prompt lookup with a datastore of the model's greedy outputs on the requests in "
-                             "scripts/datastore_prompts.txt (built and saved here if the file is missing; fixed "
-                             "during the run)")
     parser.add_argument("--sets", nargs="*", default=["grounded", "open"], choices=["grounded", "open"])
-    parser.add_argument("--only", nargs="*", help="run only the methods whose name contains one of these words "
-                                                  "(both greedy rows always run: they are the references)")
+    parser.add_argument("--w4", help="a W4 export (e.g. of rtn-w4 or awq-w4); default: the model rounded in memory")
+    parser.add_argument("--w8a8", help="a W8A8 export (of smoothquant-w8a8)")
+    parser.add_argument("--kivi", help="an export with a KIVI cache (of kv-int4)")
+    parser.add_argument("--exit-layer", type=int, default=8)
+    parser.add_argument("--only", nargs="*", help="run only the rows whose name contains one of these words "
+                                                  "(the transformers eager rows always run: they are the references)")
+    parser.add_argument("--skip", nargs="*", default=[], help="skip the rows whose name contains one of these words")
     args = parser.parse_args()
 
-    device = models.pick_device(args.device)
+    device = models.pick_device("auto")
     loaded = models.load(args.model, torch.bfloat16)
-    model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
-
-    def linears(m):  # before any layer-subset view is taken: views share the swapped modules
-        if args.linear == "onednn" and device.type == "cpu":
-            kernels.use_onednn(m)
-        return m
-
-    model = linears(model)
+    tokenizer, hf_bf16 = loaded.tokenizer, loaded.model
+    hf_fp32 = models.for_compute(copy.deepcopy(hf_bf16), device)
+    hf_bf16 = hf_bf16.to(device)
     eos = set(tokenizer.convert_tokens_to_ids([tokenizer.eos_token])) | set(
-        [model.generation_config.eos_token_id] if isinstance(model.generation_config.eos_token_id, int)
-        else model.generation_config.eos_token_id or [])
-    n, cost = args.new_tokens, default_token_cost(device)
-    methods = {
-        "greedy (ours)": lambda p: _ours(greedy(model, p, n, eos)),
-        "greedy (transformers generate)": lambda p: run_hf(model, p, n, eos),
-        "prompt lookup (transformers, 10)": lambda p: run_hf(model, p, n, eos, prompt_lookup_num_tokens=10),
-        "prompt lookup, every match (ours, k=10)":
-            lambda p: _ours(speculate(model, p, n, PromptLookup(), k=10, eos=eos)),
-        f"prompt lookup, token cost {cost} (ours, k=10)":
-            lambda p: _ours(speculate(model, p, n, PromptLookup(token_cost=cost), k=10, eos=eos)),
-        f"early-exit drafting (transformers, layer {args.exit_layer})":
-            lambda p: run_hf(model, p, n, eos, assistant_early_exit=args.exit_layer),
-        f"early-exit drafting (ours, layer {args.exit_layer})":
-            lambda p: _ours(speculate(model, p, n, DraftModel(first_layers), k=8, eos=eos)),
-    }
-    if args.datastore:
-        store = datastore(args.datastore, model, tokenizer, n, eos, device)
-        methods[f"prompt lookup + datastore of {len(store)} outputs, token cost {cost} (ours, k=10)"] = \
-            lambda p: _ours(speculate(model, p, n, PromptLookup(token_cost=cost, store=store), k=10, eos=eos))
-    for spec in args.lookahead:
-        w, ng, g = map(int, spec.split(","))
-        methods[f"lookahead (ours, W={w} N={ng} G={g})"] = \
-            lambda p, w=w, ng=ng, g=g: _ours(lookahead(model, p, n, w, ng, g, eos=eos))
-    first_layers = layer_subset(model, list(range(args.exit_layer)))
-    if args.self_layers:
-        count = len(decoder_layers(model))
-        if args.self_layers == "auto":
-            ids, _ = data.calibration_batches(model, tokenizer, "wikitext2", 2, 64, seed=0)
-            keep, _ = search_layers(model, [row.unsqueeze(0).to(device) for row in ids])
-        else:
-            keep = parse_layers(args.self_layers, count)
-        skipping = layer_subset(model, keep)
-        methods[f"layer-skip self-speculation (ours, {len(keep)}/{count} layers)"] = \
-            lambda p: _ours(speculate(model, p, n, DraftModel(skipping), k=8, eos=eos))
-    if args.draft:
-        draft = linears(models.for_compute(models.load(args.draft, torch.bfloat16).model, device))
-        methods["draft model (ours)"] = lambda p: _ours(speculate(model, p, n, DraftModel(draft), k=6, eos=eos))
-        methods["assisted (transformers, same draft)"] = lambda p: run_hf(model, p, n, eos, assistant_model=draft)
+        [hf_bf16.generation_config.eos_token_id] if isinstance(hf_bf16.generation_config.eos_token_id, int)
+        else hf_bf16.generation_config.eos_token_id or [])
+    n = args.new_tokens
+    bandwidth = read_bandwidth() if device.type == "cpu" else None
+    print(f"command: python {shlex.join(sys.argv)}")
+    print(f"machine: {machine()}; read bandwidth {bandwidth:.1f} GB/s" if bandwidth else f"machine: {machine()}")
+    print(f"model: {args.model}; {n} new tokens, greedy, batch 1, {args.prompts} prompts per set\n", flush=True)
 
-    exits = early_exit.default_exits(len(decoder_layers(model)))
-    calibration, _ = data.calibration_batches(model, tokenizer, "wikitext2", 2, 256, seed=0)
-    found = early_exit.calibrate(model, calibration, exits, target=0.9)
-    methods[f"early exit, lossy (ours, softmax ≥ {found['threshold']:.2f} at layers {exits})"] = \
-        lambda p: _ours(early_exit.early_exit_greedy(model, p, n, found["threshold"], exits, eos=eos))
+    def wanted(name: str) -> bool:
+        return (not args.only or any(w in name for w in args.only)) and not any(w in name for w in args.skip)
+
+    # Each row: name -> (setup() returning (run(prompt) -> (tokens, seconds, forwards)), bytes, compile s)).
+    # Setups run lazily, so a skipped row costs nothing and a row's build time is not its speed.
+    rows = {}
+
+    def hf_row(model, bytes_per_token, **kw):
+        return lambda: (lambda p: run_hf(model, p, n, **kw), bytes_per_token, None)
+
+    def engine_row(model, method="greedy", **kw):
+        def setup():
+            engine = Engine(model, max_len=1024, **kw)
+            if engine.compiled is not None:
+                greedy(engine, sets_[next(iter(sets_))][0], 4)  # the first call compiles
+            cost = default_token_cost(device)
+            draft = (lambda: DraftModel(w4_draft, 0.4)) if "draft" in method else None
+            run = {"greedy": lambda p: ours(greedy(engine, p, n, eos)),
+                   "lookup": lambda p: ours(speculate(engine, p, n, PromptLookup(token_cost=cost), 10, eos=eos)),
+                   "draft": lambda p: ours(speculate(engine, p, n, draft(), 6, eos=eos)),
+                   "lookup+draft": lambda p: ours(speculate(engine, p, n, LookupThenDraft(
+                       PromptLookup(token_cost=cost), draft()), 8, eos=eos))}[method]
+            return run, engine.weight_bytes(), engine.compile_seconds or None
+        return setup
+
+    def hf_static_compiled():
+        model = copy.deepcopy(hf_bf16)
+        model.generation_config.cache_implementation = "static"
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        start = time.perf_counter()
+        run_hf(model, sets_[next(iter(sets_))][0], 4)
+        return (lambda p: run_hf(model, p, n)), 2 * sum(p.numel() for p in hf_fp32.parameters()), \
+            time.perf_counter() - start
+
+    fp32_bytes = sum(m.weight.numel() for m in hf_fp32.modules() if isinstance(m, torch.nn.Linear)) * 4
+    rows["transformers eager greedy, fp32"] = hf_row(hf_fp32, fp32_bytes)
+    rows["transformers eager greedy, bf16"] = hf_row(hf_bf16, fp32_bytes // 2)
+    rows["transformers static cache + torch.compile, bf16"] = hf_static_compiled
+    rows["ours greedy, eager"] = engine_row(hf_fp32)
+    rows["ours greedy, compiled"] = engine_row(hf_fp32, compile=True)
+    w4_source = "in memory"
     if args.w4:
-        dequantized = models.for_compute(models.load(args.w4, torch.bfloat16).model, device)
-        int4 = copy.deepcopy(dequantized)
-        kernels.attach_from_export(int4, args.w4)
-        swapped = kernels.use_int4_kernel(int4)
-        dequantized, int4 = linears(dequantized), linears(int4)
-        methods["greedy, W4 export dequantized to fp32 (ours)"] = lambda p: _ours(greedy(dequantized, p, n, eos))
-        methods[f"greedy, W4 export on the int4 kernel, {swapped} linears (ours)"] = \
-            lambda p: _ours(greedy(int4, p, n, eos))
-        methods["prompt lookup, W4 export on the int4 kernel (ours, k=10)"] = \
-            lambda p: _ours(speculate(int4, p, n, PromptLookup(), k=10, eos=eos))
+        w4_model = models.for_compute(models.load(args.w4, torch.bfloat16).model, device)
+        kernels.attach_from_export(w4_model, args.w4)
+        w4_source = Path(args.w4).name
+        rows[f"ours W4 greedy ({w4_source}), compiled"] = engine_row(w4_model, compile=True)
+    else:
+        rows["ours W4 greedy (RTN in memory), compiled"] = engine_row(hf_fp32, quantize="w4", compile=True)
+    rows["ours W4 greedy + int4 lm_head (lossy), compiled"] = engine_row(hf_fp32, quantize="w4", compile=True,
+                                                                         lm_head="int4")
     if args.w8a8:
-        fake = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)
-        int8 = copy.deepcopy(fake)
-        swapped8 = kernels.use_int8_kernel(int8)
-        fake, int8 = linears(fake), linears(int8)
-        methods["greedy, W8A8 export, fake-quantized in fp32 (ours)"] = lambda p: _ours(greedy(fake, p, n, eos))
-        methods[f"greedy, W8A8 export on _int_mm, {swapped8} linears (ours)"] = lambda p: _ours(greedy(int8, p, n, eos))
+        w8a8 = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)
+        rows[f"ours W8A8 greedy ({Path(args.w8a8).name}), eager"] = engine_row(w8a8)
+    rows["ours prompt lookup"] = engine_row(hf_fp32, "lookup")
+    w4_draft = Engine(hf_fp32, quantize="w4", max_len=1024)
+    rows["ours W4 self-draft"] = engine_row(hf_fp32, "draft")
+    rows["ours W4 self-draft + prompt lookup"] = engine_row(hf_fp32, "lookup+draft")
+    rows["ours lookahead (W=3 N=3 G=5), transformers' forward"] = \
+        lambda: ((lambda p: ours(lookahead(hf_fp32, p, n, 3, 3, 5, eos=eos))), fp32_bytes, None)
 
-    if args.only:
-        methods = {k: v for k, v in methods.items()
-                   if k.startswith("greedy (") or any(word in k for word in args.only)}
-    print(f"command: python {' '.join(sys.argv)}")
-    print(f"machine: {machine()}")
-    print(f"model: {args.model}, computed in {next(model.parameters()).dtype}, fp32 linears on {args.linear}; "
-          f"{n} new tokens, greedy, batch 1\n")
-    sets = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()
-            if name in args.sets}
-    methods["greedy (ours)"](next(iter(sets.values()))[0][:, :32])  # warm-up
-    rows = []
-    for set_name, ps in sets.items():
-        outputs_of = {name: [] for name in methods}
-        seconds_of, forwards_of = dict.fromkeys(methods, 0.0), dict.fromkeys(methods, 0)  # forwards: ours only
-        for i, p in enumerate(ps):  # every method on one prompt, then the next: a drifting machine hits all alike
-            for name, fn in methods.items():
-                out, s, f = fn(p)
-                outputs_of[name].append(out)
-                seconds_of[name] += s
-                forwards_of[name] += f or 0
-            print(f"{set_name}: prompt {i + 1}/{len(ps)} done", file=sys.stderr, flush=True)
-        results = {name: (outputs_of[name], sum(map(len, outputs_of[name])) / seconds_of[name], forwards_of[name])
-                   for name in methods}
-        reference, ours, hf = results["greedy (ours)"][0], results["greedy (ours)"][1], \
-            results["greedy (transformers generate)"][1]
-        for name, (outputs, rate, forwards) in results.items():
-            tokens = sum(map(len, outputs))
-            rows.append([set_name, name, f"{rate:.1f}", f"{rate / ours:.2f}×", f"{rate / hf:.2f}×",
-                         f"{tokens / forwards:.2f}" if forwards else "",
-                         f"{sum(a == b for a, b in zip(outputs, reference))}/{len(ps)}"])
-    head = ["prompts", "method", "tokens/s", "vs our greedy", "vs transformers greedy", "tokens/forward",
-            "same as greedy"]
+    def early_exit_row():
+        from compress.arch import decoder_layers
+
+        exits = early_exit.default_exits(len(decoder_layers(hf_fp32)))
+        calibration, _ = data.calibration_batches(hf_fp32, tokenizer, "wikitext2", 2, 256, seed=0)
+        threshold = early_exit.calibrate(hf_fp32, calibration, exits, target=0.9)["threshold"]
+        return (lambda p: ours(early_exit.early_exit_greedy(hf_fp32, p, n, threshold, exits, eos=eos))), \
+            fp32_bytes, None
+
+    rows["ours early exit (lossy), transformers' forward"] = early_exit_row
+    if args.kivi:
+        kivi = models.for_compute(models.load(args.kivi, torch.bfloat16).model, device)
+        rows[f"ours KIVI {kvcache.scheme_of(kivi).describe()} greedy, eager"] = engine_row(kivi)
+    try:
+        import llama_cpp  # noqa: F401 - optional: the speed CPU users know
+
+        rows["llama.cpp (llama-cpp-python) on the bundled GGUF"] = llama_cpp_row(args.model, n)
+    except ImportError:
+        pass
+
+    sets_ = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()
+             if name in args.sets}
+    head = ["prompts", "method", "tokens/s", "× transformers eager fp32", "tokens/forward", "= transformers bf16 greedy",
+            "compile s", "weights MB/token", "of read bandwidth"]
+    built = {}
+    for name, setup in rows.items():
+        if name.startswith("transformers eager") or wanted(name):
+            print(f"setting up: {name}", file=sys.stderr, flush=True)
+            built[name] = setup()
     print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print("|" + "---|" * len(head), flush=True)
+    for set_name, ps in sets_.items():
+        outputs = {name: [] for name in built}
+        seconds, forwards = dict.fromkeys(built, 0.0), dict.fromkeys(built, 0)
+        for name, (run, _, _) in built.items():
+            run(ps[0][:, :32])  # warm-up
+        for i, p in enumerate(ps):  # every method on one prompt, then the next: a drifting machine hits all alike
+            for name, (run, _, _) in built.items():
+                out, s, f = run(p)
+                outputs[name].append(out)
+                seconds[name] += s
+                forwards[name] += f or 0
+            print(f"{set_name}: prompt {i + 1}/{len(ps)} done", file=sys.stderr, flush=True)
+        reference_rate = sum(map(len, outputs["transformers eager greedy, fp32"])) / \
+            seconds["transformers eager greedy, fp32"]
+        reference = outputs["transformers eager greedy, bf16"]
+        for name, (_, bytes_per_token, compile_s) in built.items():
+            tokens = sum(map(len, outputs[name]))
+            rate = tokens / seconds[name]
+            same = sum(a == b for a, b in zip(outputs[name], reference))
+            traffic = f"{bytes_per_token * rate / 1e9 / bandwidth:.0%}" if bandwidth and bytes_per_token else ""
+            print("| " + " | ".join([set_name, name, f"{rate:.1f}", f"{rate / reference_rate:.2f}×",
+                                     f"{tokens / forwards[name]:.2f}" if forwards[name] else "", f"{same}/{len(ps)}",
+                                     f"{compile_s:.0f}" if compile_s else "",
+                                     f"{bytes_per_token / 1e6:.0f}" if bytes_per_token else "", traffic]) + " |",
+                  flush=True)
 
 
-def _ours(result):
-    return result.tokens, result.seconds, result.forwards - 1
+def llama_cpp_row(alias: str, n: int):
+    """llama.cpp decoding the bundled GGUF (SmolLM2's Q4_1) on this CPU, greedy, same token ids."""
+    def setup():
+        from llama_cpp import Llama
+
+        folder, name = models.bundled_gguf(alias)
+        path = Path(folder) / name
+        llm = Llama(model_path=str(path), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+
+        def run(prompt):
+            llm.reset()
+            start, out = time.perf_counter(), []
+            for token in llm.generate(prompt[0].tolist(), temp=0.0, top_k=1, reset=True):
+                if token == llm.token_eos() or len(out) >= n:
+                    break
+                out.append(token)
+            return out, time.perf_counter() - start, None
+
+        return run, Path(path).stat().st_size, None
+    return setup
 
 
 if __name__ == "__main__":

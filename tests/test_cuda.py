@@ -53,3 +53,16 @@ def test_prompt_lookup_on_cuda_is_token_identical_to_greedy():
     fast = speculate(model, prompt, 40, PromptLookup(), k=5)
     assert fast.tokens == plain.tokens
     assert fast.forwards < plain.forwards
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_engine_on_cuda_equals_transformers_greedy(model_type):
+    from compress.decode.engine import Engine
+
+    model = tiny(model_type, layers=4).to(CUDA)
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 128, (1, 24), generator=g).to(CUDA)
+    engine = Engine(model)
+    assert engine.formats["qkv"] == "dense" and engine.dtype == torch.float32  # the model's dtype on a GPU
+    reference = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, 24:].tolist()
+    assert greedy(engine, prompt, 32).tokens == reference

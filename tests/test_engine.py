@@ -65,7 +65,15 @@ def test_engine_greedy_equals_transformers_greedy_on_smollm2(smollm2):
     assert greedy(Engine(fp32, kernel="fp32"), prompt, 24).tokens == greedy(fp32, prompt, 24).tokens
     engine = Engine(fp32, kernel="bf16")  # bf16 kernels: a bf16 stream, as transformers computes in bf16
     assert engine.dtype == torch.bfloat16
-    assert greedy(engine, prompt, 24).tokens == greedy(bf16, prompt, 24).tokens
+    plain = greedy(engine, prompt, 24).tokens
+    assert plain == greedy(bf16, prompt, 24).tokens
+    engine.reset()  # in bf16 a verify step must round as one-token steps do, or speculation changes tokens
+    engine.forward(prompt)
+    more = plain[:8]
+    together = engine.forward(more)
+    engine.crop(len(more))
+    assert torch.equal(together, torch.cat([engine.forward([t]) for t in more]))
+    assert speculate(engine, prompt, 24, PromptLookup(), k=8).tokens == plain
 
 
 def test_speculation_on_the_engine_is_token_identical_to_its_greedy():
@@ -99,6 +107,21 @@ def test_kernels_hold_the_weights_they_are_offered_for():
     engine = Engine(model, kernel="auto")
     assert set(engine.timings["qkv"]) >= {"fp32", "bf16", "int4"}  # every exact format was timed
     assert engine.formats["qkv"] == min(engine.timings["qkv"], key=engine.timings["qkv"].get)
+
+
+def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding():
+    from compress import kvcache
+
+    model = tiny("llama", layers=2)
+    kvcache.install(model, kvcache.KVScheme(bits=2, group_size=4, residual=8))  # 2 bits: the cache matters
+    prompt = _prompt(21)
+    kivi = greedy(model, prompt, 40, cache=kvcache.new_cache(model)).tokens
+    assert kivi != greedy(Engine(tiny("llama", layers=2), kernel="fp32"), prompt, 40).tokens  # it changes tokens
+    engine = Engine(model, kernel="fp32")
+    assert greedy(engine, prompt, 40).tokens == kivi
+    assert engine.quantized_upto == 56  # 21 + 40 tokens, flushed in whole windows of 8
+    with pytest.raises(DecodeError, match="KIVI"):
+        engine.crop(10)
 
 
 def test_eager_fallback_when_compiling_fails(monkeypatch, capsys):

@@ -1,61 +1,70 @@
-"""The int4 CPU kernel computes what our dequantized W4 weights compute, from an export too."""
+"""Each weight format computes what the evaluated weights compute: int4 from a W4 export (either
+symmetry), W8A8 on ``_int_mm`` in process and from an export; formats are offered only where exact."""
 
 import pytest
 import torch
 
 from compress import models
-from compress.decode import kernels
-from compress.decode import greedy
+from compress.decode import greedy, kernels
+from compress.decode.engine import Engine
 from compress.export import export
 from tests.conftest import _NoTokenizer, compress_with, tiny
 
-pytestmark = pytest.mark.skipif(not kernels.int4_kernel_available(), reason="this torch has no int4 CPU kernel")
+CPU = torch.device("cpu")
 
 
+def _export_and_reload(model, recipe, folder):
+    out = export(model, _NoTokenizer(), folder, recipe.text, {})
+    return models.for_compute(models.load_model(out, torch.bfloat16), CPU), out
+
+
+@pytest.mark.skipif(not kernels.int4_kernel_available(), reason="this torch has no int4 CPU kernel")
 @pytest.mark.parametrize("symmetric", [True, False])
-def test_int4_kernel_on_an_export_matches_the_dequantized_model(symmetric, tmp_path):
-    model = tiny("llama")
+def test_int4_format_on_an_export_computes_the_dequantized_weights(symmetric, tmp_path):
+    model = tiny("llama").to(torch.bfloat16)  # stored in bf16, as checkpoints are
     recipe = compress_with(model, f"  - rtn: {{bits: 4, group_size: 32, symmetric: {str(symmetric).lower()}}}\n")
-    out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
-    reloaded = models.for_compute(models.load_model(out, torch.float32), torch.device("cpu"))
+    reloaded, out = _export_and_reload(model, recipe, tmp_path / "x")
     assert kernels.attach_from_export(reloaded, out) == 14  # 2 blocks × 7 linears
+    down = reloaded.model.layers[0].mlp.down_proj
+    x = torch.randn(3, down.in_features).bfloat16().float()  # bf16 values: the kernel's input is exact
+    int4 = kernels.build("int4", [down], CPU)
+    torch.testing.assert_close(int4(x), x @ down.weight.T, atol=2e-2, rtol=1e-2)  # bf16 output rounding
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        dense = reloaded(ids).logits
-    assert kernels.use_int4_kernel(reloaded) == 14
-    assert isinstance(reloaded.model.layers[0].mlp.down_proj, kernels.Int4Linear)
-    with torch.no_grad():
-        torch.testing.assert_close(reloaded(ids).logits, dense, atol=2e-5, rtol=0)
-    assert greedy(reloaded, ids, 12).tokens == greedy(model, ids, 12).tokens
+    on_int4, on_bf16 = Engine(reloaded, kernel="int4"), Engine(reloaded, kernel="bf16")
+    assert [on_int4.formats[g] for g in ("qkv", "o", "gate_up", "down")] == ["int4"] * 4
+    assert on_int4.dtype == on_bf16.dtype == torch.bfloat16  # same stream: only the weight format differs
+    torch.testing.assert_close(on_int4.forward(ids), on_bf16.forward(ids), atol=3e-2, rtol=0)
+    assert on_int4.weight_bytes() < on_bf16.weight_bytes() / 2
 
 
-def test_unsupported_layers_stay_dense():
-    model = tiny("llama", hidden=96)
-    compress_with(model, "  - rtn: {bits: 4, group_size: -1}\n")  # one group of 96 or 192: not a kernel size
-    assert kernels.use_int4_kernel(model) == 0
-    compress_with(model := tiny("llama"), "  - rtn: {bits: 8, group_size: 32}\n")
-    assert kernels.use_int4_kernel(model) == 0
+def test_formats_are_offered_only_where_they_hold_the_weights():
+    model = tiny("llama", hidden=96).to(torch.bfloat16)
+    compress_with(model, "  - rtn: {bits: 4, group_size: -1}\n")  # one group of 96 or 192: no kernel size
+    assert "int4" not in kernels.exact_formats([model.model.layers[0].mlp.down_proj], CPU)
+    model = tiny("llama").to(torch.bfloat16)
+    compress_with(model, "  - rtn: {bits: 8, group_size: 32}\n")  # int8 weight-only needs one scale per row
+    assert not {"int4", "int8"} & set(kernels.exact_formats([model.model.layers[0].mlp.down_proj], CPU))
+    compress_with(model := tiny("llama").to(torch.bfloat16), "  - rtn: {bits: 8, group_size: -1}\n")
+    assert "int8" in kernels.exact_formats([model.model.layers[0].mlp.down_proj], CPU)
+    assert "bf16" not in kernels.exact_formats([tiny("llama").model.layers[0].mlp.down_proj], CPU)  # fp32 values
 
 
-def test_int8_kernel_matches_fake_quantized_w8a8_in_process_and_from_the_export(tmp_path):
+def test_w8a8_format_matches_fake_quantized_w8a8_in_process_and_from_the_export(tmp_path):
     model = tiny("llama")
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     calibration = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
     recipe = compress_with(model, "  - smoothquant: {alpha: 0.5}\n  - rtn: {bits: 8, group_size: -1}\n", calibration)
     with torch.no_grad():
-        fake = model(ids).logits
+        fake = model(ids).logits[0]  # activations fake-quantized as the evaluation simulates
     out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
-    assert kernels.use_int8_kernel(model) == 14
-    assert isinstance(model.model.layers[1].self_attn.q_proj, kernels.Int8Linear)
-    reloaded = models.for_compute(models.load_model(out, torch.float32), torch.device("cpu"))
-    assert kernels.use_int8_kernel(reloaded) == 14
-    with torch.no_grad():  # int32 sums are exact, fp32 ones are not: a later activation on a rounding
-        # boundary can land on the neighbouring integer, hence 5e-3 rather than float epsilon (how
-        # many land there depends on the CPU's kernel: 1.9e-3 on an AVX-512 VNNI EPYC)
-        torch.testing.assert_close(model(ids).logits, fake, atol=5e-3, rtol=0)
-        torch.testing.assert_close(reloaded(ids).logits, fake, atol=5e-3, rtol=0)
-    assert greedy(reloaded, ids, 12).tokens == greedy(model, ids, 12).tokens
-    assert kernels.use_int8_kernel(tiny("llama")) == 0  # nothing quantized: nothing swapped
+    reloaded = models.for_compute(models.load_model(out, torch.float32), CPU)
+    for source in (model, reloaded):
+        engine = Engine(source)
+        assert set(engine.formats.values()) == {"w8a8", "fp32"}  # the lm_head is not W8A8
+        # int32 sums are exact, fp32 ones are not: an activation on a rounding boundary can land on
+        # the neighbouring integer (how many do depends on the CPU's kernel: 1.9e-3 seen on a VNNI EPYC)
+        torch.testing.assert_close(engine.forward(ids), fake, atol=5e-3, rtol=0)
+    assert greedy(Engine(reloaded), ids, 12).tokens == greedy(Engine(model), ids, 12).tokens
 
 
 @pytest.mark.skipif(not kernels.onednn_available(), reason="this torch has no oneDNN")
@@ -70,11 +79,3 @@ def test_onednn_linears_compute_what_the_model_computes():
     with torch.no_grad():  # multi-row (oneDNN) and single-row (MKL) paths both
         torch.testing.assert_close(model(prompt).logits, before, atol=1e-5, rtol=1e-5)
     assert greedy(model, prompt, 12).tokens == plain
-
-
-def test_probe_times_a_kernel_against_the_current_linear():
-    model = tiny("llama")
-    assert kernels.probe(model, "int4") is None and kernels.probe(model, "int8") is None  # nothing quantized
-    compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n")
-    kernel_ms, dense_ms = kernels.probe(model, "int4")
-    assert kernel_ms > 0 and dense_ms > 0

@@ -57,6 +57,18 @@ class DraftModel:
         return tokens, (None if self.sampling.greedy else torch.stack(probs))
 
 
+class LookupThenDraft:
+    """Prompt lookup's candidates where it finds a match, else the draft model's: copying is
+    free, drafting costs draft forwards, so the draft works only where copying cannot."""
+
+    def __init__(self, lookup, draft: DraftModel):
+        self.lookup, self.draft = lookup, draft
+
+    def propose(self, context: list[int], k: int):
+        tokens, probs = self.lookup.propose(context, k)
+        return (tokens, probs) if tokens else self.draft.propose(context, k)
+
+
 def layer_subset(model, keep: list[int]):
     """A view of ``model`` that runs only the decoder layers ``keep`` (the same weights, no copy).
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .. import USER_INDUCTOR_CACHE, kvcache
 from ..models import cache_dir
 from . import kernels
 from .loop import DecodeError, device_of
@@ -95,12 +96,21 @@ class Engine:
     ``max_len``: cache slots; the cache grows when a request needs more. ``dtype``: the
     residual stream's; by default bf16 on a CPU when every chosen kernel takes bf16 (then the
     engine computes what transformers computes in bf16), else fp32; the model's on a GPU.
-    ``compile``: run the blocks through ``torch.compile`` (dynamic shapes, so one graph serves
-    every length; artifacts cached under ``$COMPRESS_CACHE/inductor``); eager if it fails.
+    ``compile``: run one-token steps through ``torch.compile`` (dynamic shapes, so one graph
+    serves every cache length; artifacts cached under ``$COMPRESS_CACHE/inductor``); eager if
+    it fails. Prompts and verify steps run eager.
+
+    A model carrying a KIVI scheme (the ``kv_cache`` pass) gets KIVI's numerics: once the
+    full-precision window holds ``residual`` tokens, they are quantized and replaced in the
+    cache by their dequantized values, as ``kvcache.KIVICache`` does, so attention reads what
+    KIVI decoding reads at dense speed. The engine keeps those values dense, not the codes: it
+    reproduces KIVI's tokens, not its memory saving. ``kivi=False`` keeps a full-precision
+    cache whatever the model carries (a draft, whose rejected tokens must be rolled back).
     """
 
     def __init__(self, model, kernel: str = "auto", max_len: int = 1024, quantize: str | None = None,
-                 lm_head: str | None = None, dtype: torch.dtype | None = None, compile: bool = False):
+                 lm_head: str | None = None, dtype: torch.dtype | None = None, compile: bool = False,
+                 kivi: bool = True):
         config = model.config
         if config.model_type not in SUPPORTED:
             raise DecodeError(f"the decode engine supports {', '.join(SUPPORTED)} models, not {config.model_type}")
@@ -153,9 +163,11 @@ class Engine:
         self.context = getattr(config, "max_position_embeddings", None) or 1 << 20
         self.max_len, self.length, self.k_cache, self.v_cache = 0, 0, [], []
         self._allocate(max_len)
+        self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
         self.compiled, self.compile_seconds, self.note = None, 0.0, ""
         if compile:
-            os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+            if not USER_INDUCTOR_CACHE:
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
             self.compiled = torch.compile(self._body, fullgraph=True, dynamic=True)
 
     @property
@@ -181,11 +193,25 @@ class Engine:
         self.max_len = max_len
 
     def reset(self) -> None:
-        self.length = 0
+        self.length = self.quantized_upto = 0
 
     def crop(self, n: int) -> None:
         """Forget the last ``n`` cached tokens (their slots are overwritten by the next forward)."""
+        if self.length - n < self.quantized_upto:
+            raise DecodeError(f"cannot roll back {n} tokens past the KIVI-quantized part of the cache")
         self.length -= n
+
+    def _flush_kv(self) -> None:
+        """KIVI: quantize the window's oldest whole multiple of ``residual`` tokens (all of it
+        without a window) and keep their dequantized values, as ``KIVICache`` does after each step."""
+        s, window = self.kv_scheme, self.length - self.quantized_upto
+        n = window if s.residual == 0 else s.residual * (window // s.residual)
+        if n == 0:
+            return
+        done = slice(self.quantized_upto, self.quantized_upto + n)
+        for k_cache, v_cache in zip(self.k_cache, self.v_cache):
+            k_cache[:, :, done], v_cache[:, :, done] = kvcache.round_trip(k_cache[:, :, done], v_cache[:, :, done], s)
+        self.quantized_upto += n
 
     def subset(self, keep: list[int]) -> Engine:
         """The same weights with only the layers ``keep`` run, and a cache of its own: a draft."""
@@ -194,7 +220,7 @@ class Engine:
             raise DecodeError(f"--layers must stay within 0-{len(self.layers) - 1}")
         view = copy.copy(self)
         view.layers = [self.layers[i] for i in keep]
-        view.length, view.k_cache, view.v_cache = 0, [], []
+        view.length, view.k_cache, view.v_cache, view.kv_scheme = 0, [], [], None  # a draft: full precision
         view._allocate(self.max_len)
         if self.compiled is not None:  # a graph of its own: the view runs other layers
             view.compiled, view.compile_seconds = torch.compile(view._body, fullgraph=True, dynamic=True), 0.0
@@ -204,6 +230,8 @@ class Engine:
     def forward(self, ids: list[int] | torch.Tensor, all_logits: bool = True) -> torch.Tensor:
         """Float32 logits of ``ids`` appended to the cache: (len(ids), vocab), or (1, vocab)."""
         ids = torch.as_tensor(ids, device=self.device).reshape(-1)
+        if self.kv_scheme is not None:
+            self._flush_kv()  # lazily, so a rolled-back candidate is never quantized
         start, count = self.length, ids.numel()
         if start + count > self.context:
             raise DecodeError(f"{start + count} tokens do not fit: the model's context is {self.context} tokens; "
@@ -216,7 +244,7 @@ class Engine:
         return self._logits(x if all_logits else x[-1:])
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        if self.compiled is None:
+        if self.compiled is None or ids.numel() > 1:  # compiled: the one-token step, where overhead counts
             return self._body(ids, positions, span)
         first = not self.compile_seconds
         start = time.perf_counter()
@@ -262,7 +290,8 @@ class Engine:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             k_cache[0, :, positions] = k
             v_cache[0, :, positions] = v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)
-            attn = self._attention(q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window])
+            attn = self._attention(q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window], layer.window,
+                                   positions)
             h = layer.o(attn.transpose(0, 1).reshape(count, self.q_size))
             x = x + (layer.post_attn_norm(h) if layer.post_attn_norm is not None else h)
             gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, -1)
@@ -270,7 +299,20 @@ class Engine:
             x = x + (layer.post_mlp_norm(h) if layer.post_mlp_norm is not None else h)
         return x
 
-    def _attention(self, q, k, v, mask):
+    def _attention(self, q, k, v, mask, window, positions):
+        """Attention of the new tokens over the cache. A verify step (up to ``kernels.VERIFY_ROWS`` tokens)
+        attends row by row, each over exactly its own prefix, as a one-token step does: SDPA over a
+        longer masked span rounds differently (in bf16, enough to flip a near-tie), and lossless
+        speculation must give the tokens plain greedy gives. Longer inputs (prompts) are one call."""
+        if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS:
+            return self._sdpa(q, k, v, mask)
+        rows = []
+        for i, end in enumerate((positions + 1).tolist()):
+            rows.append(self._sdpa(q[:, i : i + 1], k[:, :end], v[:, :end],
+                                   None if window is None else mask[i : i + 1, :end]))
+        return torch.cat(rows, 1)
+
+    def _sdpa(self, q, k, v, mask):
         if self.softcap_attn is None:
             return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
                                                   enable_gqa=True)[0]

@@ -1,24 +1,24 @@
-"""Real low-bit matmuls for decoding: W4 linears on torch's packed-int4 CPU kernel, W8A8
-linears on ``torch._int_mm``.
+"""Weight formats for decoding, and how the fastest is chosen on this machine.
 
-``torch.ops.aten._weight_int4pack_mm_for_cpu`` (tinygemm's layout) multiplies activations by
-4-bit weights packed two per byte, with a (scale, zero) pair per group of 32/64/128/256
-inputs and ``w = (u − 8)·scale + zero`` for ``u`` in 0..15. Our integers are signed
-(``w = (q − z)·scale``, ``q`` in −8..7), so ``u = q + 8`` and ``zero = −z·scale``: the kernel
-computes exactly the weights we evaluate. A quantized linear reads 1/8 of the bytes of its
-fp32 form, which is what decoding one token at a time on a CPU waits for.
-
-W8A8 (SmoothQuant's export): each token's input is rounded to int8 with its own scale
-``max|x| / 127.5`` (compressed-tensors' convention, as our evaluation does), multiplied by
-the int8 weight in int32 by ``torch._int_mm``, and rescaled by both scales.
+A ``Matmul`` holds one linear group's weights (q/k/v or gate/up fused by rows) in one format:
+fp32 (MKL), fp32 or bf16 prepacked for oneDNN, int8 weight-only (``_weight_int8pack_mm``),
+torch's packed-int4 CPU kernel (``_weight_int4pack_mm_for_cpu``, tinygemm's layout: ``u = q + 8``,
+``zero = −z·scale``, so it computes exactly the weights we evaluate), or W8A8 on ``torch._int_mm``
+(each row rounded to int8 with its own scale ``max|x| / 127.5``, as compressed-tensors and our
+evaluation do). ``choose`` offers a group only the formats that hold its weights exactly and
+keeps the fastest measured here: which one wins depends on the CPU (the int4 kernel is the
+fastest per weight on AVX-512 parts and 20× slower than fp32 on the AVX2-only Zen 1 machines
+this project ran on before).
 
 The integers come from the linear's ``quantized`` record: set by our passes in the same
 process, or read back from an export's packed tensors by ``attach_from_export``; a W8A8
 export loaded by transformers holds its scale and the weight (as int8, or unpacked to q · scale).
+``use_onednn`` serves the methods that still run on transformers' forward (lookahead, early exit).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import time
@@ -36,51 +36,6 @@ INT4_GROUPS = (32, 64, 128, 256)
 
 def int4_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-
-
-class Int4Linear(nn.Module):
-    """A CPU linear over packed 4-bit weights; what it computes equals the dequantized weight's."""
-
-    def __init__(self, linear: nn.Linear, qw: QuantizedWeight):
-        super().__init__()
-        out_features, in_features = qw.q.shape
-        self.in_features, self.out_features = in_features, out_features
-        self.group_size = in_features // qw.scale.shape[1]
-        unsigned = (qw.q.to(torch.int32) + 8).contiguous()
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(unsigned, 1))
-        scale = qw.scale.float()
-        zero = -qw.zero_point.float() * scale
-        self.dtype = linear.weight.dtype  # the compute dtype; scales follow it
-        self.register_buffer("scales_and_zeros", torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
-                             .to(self.dtype))
-        self.bias = linear.bias
-        self.quantized = qw
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).to(self.dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
-
-
-class Int8Linear(nn.Module):
-    """A W8A8 linear on ``torch._int_mm``: what it computes equals fake-quantized activations
-    times the dequantized int8 weight, up to float rounding."""
-
-    def __init__(self, linear: nn.Module, q: torch.Tensor, scale: torch.Tensor):
-        super().__init__()
-        self.out_features, self.in_features = q.shape
-        self.register_buffer("weight_t", q.t().contiguous())  # (in, out): _int_mm's right operand
-        self.register_buffer("weight_scale", scale.float().reshape(1, -1))
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features).float()
-        scale = (flat.abs().amax(-1, keepdim=True) / 127.5).clamp(min=1e-8)
-        q = torch.round(flat / scale).clamp(-128, 127).to(torch.int8)
-        y = torch._int_mm(q, self.weight_t).float() * scale * self.weight_scale
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
-        return y if self.bias is None else y + self.bias
 
 
 def _w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -104,15 +59,6 @@ def _w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | Non
     # ``models.load_model`` unpacks exports to float (q · scale); dividing back is exact for |q| ≤ 127
     q = linear.weight.data if linear.weight.dtype == torch.int8 else torch.round(linear.weight.data / scale)
     return q.to(torch.int8), scale
-
-
-def use_int8_kernel(model: nn.Module) -> int:
-    """Swap every W8A8 linear (per-channel weights, per-token activations) for an ``Int8Linear``."""
-    swaps = [(name, m, found) for name, m in model.named_modules() if (found := _w8a8_integers(m)) is not None]
-    for name, linear, (q, scale) in swaps:
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, Int8Linear(linear, q, scale))
-    return len(swaps)
 
 
 class OneDNNLinear(nn.Module):
@@ -160,56 +106,6 @@ def use_onednn(model: nn.Module) -> int:
     return len(swaps)
 
 
-def probe(model: nn.Module, kind: str, repeats: int = 10) -> tuple[float, float] | None:
-    """(kernel ms, current ms) for one decode-shaped call (one row) of the first linear the
-    ``int4`` or ``int8`` kernel applies to; None if none does. Whether a kernel pays depends on
-    the CPU: on this project's AVX2 EPYC (no AVX-512, no VNNI) torch's int4 CPU kernel took
-    3.3 ms and ``_int_mm`` 0.9 ms where the fp32 linear took 0.14 ms, so ``--kernel auto``
-    measures before it swaps."""
-    import time
-
-    if kind == "int4":
-        found = next(((m, Int4Linear(m, quantized_of(m))) for m in model.modules() if supports_int4(m)), None) \
-            if int4_kernel_available() else None
-    else:
-        found = next(((m, Int8Linear(m, *ints)) for m in model.modules() if (ints := _w8a8_integers(m))), None)
-    if found is None:
-        return None
-    current, kernel = found
-    x = torch.randn(1, kernel.in_features, dtype=next(current.parameters()).dtype if current.weight.is_floating_point()
-                    else torch.float32)
-    times = []
-    with torch.no_grad():
-        for module in (kernel, current):
-            module(x)
-            start = time.perf_counter()
-            for _ in range(repeats):
-                module(x)
-            times.append((time.perf_counter() - start) / repeats * 1e3)
-    return times[0], times[1]
-
-
-def supports_int4(linear: nn.Module) -> bool:
-    qw = quantized_of(linear)
-    return (isinstance(linear, nn.Linear) and qw is not None and qw.scheme.bits == 4
-            and linear.weight.device.type == "cpu" and qw.q.shape[1] // qw.scale.shape[1] in INT4_GROUPS
-            and qw.q.shape[0] % 16 == 0)
-
-
-def use_int4_kernel(model: nn.Module) -> int:
-    """Swap every supported W4 linear for an ``Int4Linear`` (in place); returns how many.
-
-    Call it on the model in its compute dtype and device (``models.for_compute``).
-    """
-    if not int4_kernel_available():
-        return 0
-    swaps = [(name, m) for name, m in model.named_modules() if supports_int4(m)]
-    for name, linear in swaps:
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, Int4Linear(linear, quantized_of(linear)))
-    return len(swaps)
-
-
 def attach_from_export(model: nn.Module, folder: str | Path) -> int:
     """Record on each linear of ``model`` (loaded from ``folder``) the integers its export stores
     in the compressed-tensors ``pack-quantized`` layout; returns how many linears got one."""
@@ -253,6 +149,7 @@ def attach_from_export(model: nn.Module, folder: str | Path) -> int:
 # one is asked for (a W4 draft, a quantized lm_head).
 
 FORMATS = ("fp32", "fp32-onednn", "bf16", "int8", "int4", "w8a8")
+VERIFY_ROWS = 16  # inputs up to this many rows are speculative verify steps (longer ones: prompts)
 
 
 class Matmul:
@@ -273,8 +170,31 @@ class Matmul:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x_in = x.to(self.dtype)
-        y = _matmul_op(x_in, self.handle, self.out_shape) if torch.compiler.is_compiling() else self.matmul(x_in)
+        if torch.compiler.is_compiling():
+            y = _matmul_op(x_in, self.handle, self.out_shape)
+        elif 1 < x_in.shape[0] <= VERIFY_ROWS:
+            y = torch.cat([self.matmul(part) for part in x_in.split(self.exact_rows)])
+        else:
+            y = self.matmul(x_in)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+    @functools.cached_property
+    def exact_rows(self) -> int:
+        """How many rows one call may take and still compute each row as a one-row call does:
+        all of a verify step, or 1.
+
+        A library picks its algorithm by the number of rows (oneDNN's bf16 kernel for a
+        1536-wide input changes between 2 and 5 rows), and a different summation order can flip
+        a near-tie in bf16: then a speculative verify step would not give plain greedy's tokens.
+        Random rows reveal a change only where a rounding lands differently, so any change seen
+        up to ``VERIFY_ROWS`` rows makes the matmul run row by row in verify steps."""
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(8):
+            x = torch.randn(VERIFY_ROWS, self.in_features, generator=generator).to(self.dtype)
+            single = torch.cat([self.matmul(row) for row in x.split(1)])
+            if not all(torch.equal(self.matmul(x[:rows]), single[:rows]) for rows in range(2, VERIFY_ROWS + 1)):
+                return 1
+        return VERIFY_ROWS
 
 
 # Under torch.compile each matmul is one opaque call (the compiler cannot lower prepacked or
@@ -302,7 +222,7 @@ class Dense(Matmul):
         self.dtype, self.fmt = dtype, "fp32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
         super().__init__(bias)
         self.weight = weight.to(dtype).contiguous()
-        self.nbytes, self.out_features = self.weight.nbytes, weight.shape[0]
+        self.nbytes, (self.out_features, self.in_features) = self.weight.nbytes, weight.shape
 
     def matmul(self, x):
         return F.linear(x, self.weight)
@@ -316,7 +236,7 @@ class OneDNN(Matmul):
         super().__init__(bias)
         w = weight.to(dtype).contiguous()
         self.packed, self.nbytes = torch.ops.mkldnn._reorder_linear_weight(w), w.nbytes
-        self.out_features = w.shape[0]
+        self.out_features, self.in_features = w.shape
 
     def matmul(self, x):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -336,7 +256,7 @@ class Int4(Matmul):
         self.scales_and_zeros = torch.stack([scale, -zero.float() * scale], -1).transpose(0, 1).contiguous() \
             .to(self.dtype)
         self.nbytes = q.numel() // 2 + self.scales_and_zeros.nbytes
-        self.out_features = q.shape[0]
+        self.out_features, self.in_features = q.shape
 
     def matmul(self, x):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
@@ -350,7 +270,7 @@ class Int8(Matmul):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias):
         super().__init__(bias)
         self.q, self.scale = q.to(torch.int8).contiguous(), scale.reshape(-1).to(self.dtype)
-        self.nbytes, self.out_features = self.q.nbytes + self.scale.nbytes, q.shape[0]
+        self.nbytes, (self.out_features, self.in_features) = self.q.nbytes + self.scale.nbytes, q.shape
 
     def matmul(self, x):
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
@@ -364,7 +284,7 @@ class W8A8(Matmul):
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias):
         super().__init__(bias)
         self.weight_t, self.scale = q.t().contiguous(), scale.float().reshape(1, -1)
-        self.nbytes, self.out_features = self.weight_t.nbytes + self.scale.nbytes, q.shape[0]
+        self.nbytes, (self.out_features, self.in_features) = self.weight_t.nbytes + self.scale.nbytes, q.shape
 
     def matmul(self, x):
         scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp(min=1e-8)
@@ -453,8 +373,9 @@ def rtn_w4(linear: nn.Linear) -> nn.Linear:
 
 
 def _time_one_row(matmuls: list[Matmul], width: int, dtype: torch.dtype, device: torch.device,
-                  repeats: int = 5) -> float:
-    """Median ms to push one row through every matmul in turn (the weights stream as in decoding)."""
+                  repeats: int = 7) -> float:
+    """Fastest of ``repeats`` ms to push one row through every matmul in turn (the weights stream
+    as in decoding); the minimum, since other work on the machine can only add time."""
     x = torch.randn(1, width, dtype=dtype, device=device)
     for m in matmuls:
         m(x)  # warm-up: first calls allocate
@@ -464,7 +385,7 @@ def _time_one_row(matmuls: list[Matmul], width: int, dtype: torch.dtype, device:
         for m in matmuls:
             m(x)
         times.append(time.perf_counter() - start)
-    return sorted(times)[repeats // 2] * 1e3
+    return min(times) * 1e3
 
 
 def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
@@ -473,7 +394,8 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
     timed candidate took for one token (ms over all layers).
 
     ``auto`` times every exact format and keeps the fastest; ``dense`` keeps plain matmuls;
-    a format name is used where it is exact, else the group stays dense. ``lossy`` names a
+    a format name is used where it is exact, elsewhere bf16 (for a format that takes bf16
+    rows, so the stream stays bf16) or fp32. ``lossy`` names a
     format per group to use whatever the weights are.
     """
     formats, timings = {}, {}
@@ -485,8 +407,8 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
                  if all(f in exact_formats(lins, device) for lins in layers[1:])] or ["fp32"]
         if kernel == "dense" or len(exact) == 1 or kernel not in ("auto",) + FORMATS:
             formats[name] = "w8a8" if exact == ["w8a8"] else ("dense" if device.type != "cpu" else "fp32")
-        elif kernel != "auto":
-            formats[name] = kernel if kernel in exact else "fp32"
+        elif kernel != "auto":  # where the named format is not exact: bf16 for a bf16 format, else fp32
+            formats[name] = kernel if kernel in exact else "bf16" if takes_bf16(kernel) and "bf16" in exact else "fp32"
         else:
             width = layers[0][0].in_features
             timings[name] = {}
