@@ -162,7 +162,8 @@ def main() -> None:
             if engine.compiled is not None:
                 greedy(engine, sets_[next(iter(sets_))][0], 4)  # the first call compiles
             cost = default_token_cost(device)
-            draft = (lambda: DraftModel(w4_draft, 0.4)) if "draft" in method else None
+            w4_draft = Engine(model, quantize="w4", max_len=1024) if "draft" in method else None
+            draft = lambda: DraftModel(w4_draft, 0.4)  # noqa: E731
             run = {"greedy": lambda p: ours(greedy(engine, p, n, eos)),
                    "lookup": lambda p: ours(speculate(engine, p, n, PromptLookup(token_cost=cost), 10, eos=eos)),
                    "draft": lambda p: ours(speculate(engine, p, n, draft(), 6, eos=eos)),
@@ -186,12 +187,10 @@ def main() -> None:
     rows["transformers static cache + torch.compile, bf16"] = hf_static_compiled
     rows["ours greedy, eager"] = engine_row(hf_fp32)
     rows["ours greedy, compiled"] = engine_row(hf_fp32, compile=True)
-    w4_source = "in memory"
     if args.w4:
         w4_model = models.for_compute(models.load(args.w4, torch.bfloat16).model, device)
         kernels.attach_from_export(w4_model, args.w4)
-        w4_source = Path(args.w4).name
-        rows[f"ours W4 greedy ({w4_source}), compiled"] = engine_row(w4_model, compile=True)
+        rows[f"ours W4 greedy ({Path(args.w4).name}), compiled"] = engine_row(w4_model, compile=True)
     else:
         rows["ours W4 greedy (RTN in memory), compiled"] = engine_row(hf_fp32, quantize="w4", compile=True)
     rows["ours W4 greedy + int4 lm_head (lossy), compiled"] = engine_row(hf_fp32, quantize="w4", compile=True,
@@ -200,7 +199,6 @@ def main() -> None:
         w8a8 = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)
         rows[f"ours W8A8 greedy ({Path(args.w8a8).name}), eager"] = engine_row(w8a8)
     rows["ours prompt lookup"] = engine_row(hf_fp32, "lookup")
-    w4_draft = Engine(hf_fp32, quantize="w4", max_len=1024)
     rows["ours W4 self-draft"] = engine_row(hf_fp32, "draft")
     rows["ours W4 self-draft + prompt lookup"] = engine_row(hf_fp32, "lookup+draft")
     rows["ours lookahead (W=3 N=3 G=5), transformers' forward"] = \

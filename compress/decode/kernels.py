@@ -405,11 +405,7 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
             continue
         exact = [f for f in exact_formats(layers[0], device)
                  if all(f in exact_formats(lins, device) for lins in layers[1:])] or ["fp32"]
-        if kernel == "dense" or len(exact) == 1 or kernel not in ("auto",) + FORMATS:
-            formats[name] = "w8a8" if exact == ["w8a8"] else ("dense" if device.type != "cpu" else "fp32")
-        elif kernel != "auto":  # where the named format is not exact: bf16 for a bf16 format, else fp32
-            formats[name] = kernel if kernel in exact else "bf16" if takes_bf16(kernel) and "bf16" in exact else "fp32"
-        else:
+        if kernel == "auto" and len(exact) > 1:
             width = layers[0][0].in_features
             timings[name] = {}
             for fmt in exact:
@@ -417,4 +413,8 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
                 timings[name][fmt] = _time_one_row(built, width, torch.float32, device)
                 del built
             formats[name] = min(timings[name], key=timings[name].get)
+        elif kernel in exact or exact in (["w8a8"], ["dense"]):  # W8A8 and accelerators have one format
+            formats[name] = kernel if kernel in exact else exact[0]
+        else:  # dense, or a format that does not hold these weights: bf16 for a bf16 format, else fp32
+            formats[name] = "bf16" if takes_bf16(kernel) and "bf16" in exact else "fp32"
     return formats, timings
