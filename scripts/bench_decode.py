@@ -40,6 +40,7 @@ from compress.decode import DraftModel, LookupThenDraft, PromptLookup, default_t
 from compress.decode import early_exit, kernels
 from compress.decode.engine import Engine
 from compress.decode.lookahead import lookahead
+from compress.decode.loop import sync
 
 OPEN = [
     "Write a short story about a robot who learns to paint.",
@@ -97,13 +98,15 @@ def machine() -> str:
             f"{gpu}, torch {torch.__version__}")
 
 
-def read_bandwidth(megabytes: int = 512) -> float:
+def read_bandwidth(device: torch.device, megabytes: int = 512) -> float:
     """GB/s of summing a buffer far larger than the caches (the pages touched first)."""
-    buffer = torch.randn(megabytes * 2**20 // 4)
+    buffer = torch.randn(megabytes * 2**20 // 4, device=device)
     buffer.sum()
+    sync(device)
     start = time.perf_counter()
     for _ in range(5):
         buffer.sum()
+    sync(device)
     return 5 * buffer.nbytes / (time.perf_counter() - start) / 1e9
 
 
@@ -124,6 +127,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="prompts per set")
     parser.add_argument("--sets", nargs="*", default=["grounded", "open"], choices=["grounded", "open"])
     parser.add_argument("--w4", help="a W4 export (e.g. of rtn-w4 or awq-w4); default: the model rounded in memory")
+    parser.add_argument("--w4-kernel", default="auto", help="the W4 rows' --kernel (auto: the fastest measured)")
     parser.add_argument("--w8a8", help="a W8A8 export (of smoothquant-w8a8)")
     parser.add_argument("--kivi", help="an export with a KIVI cache (of kv-int4)")
     parser.add_argument("--exit-layer", type=int, default=8)
@@ -133,17 +137,22 @@ def main() -> None:
     args = parser.parse_args()
 
     device = models.pick_device("auto")
+    cuda = device.type == "cuda"
     loaded = models.load(args.model, torch.bfloat16)
     tokenizer, hf_bf16 = loaded.tokenizer, loaded.model
-    hf_fp32 = models.for_compute(copy.deepcopy(hf_bf16), device)
+    # on the CPU our evaluation computes in fp32 and transformers' fp32 greedy is the reference;
+    # on a GPU everything runs in the checkpoint's bf16
+    hf_fp32 = None if cuda else models.for_compute(copy.deepcopy(hf_bf16), device)
     hf_bf16 = hf_bf16.to(device)
+    base = hf_bf16 if cuda else hf_fp32
+    reference_name = f"transformers eager greedy, {'bf16' if cuda else 'fp32'}"
     eos = set(tokenizer.convert_tokens_to_ids([tokenizer.eos_token])) | set(
         [hf_bf16.generation_config.eos_token_id] if isinstance(hf_bf16.generation_config.eos_token_id, int)
         else hf_bf16.generation_config.eos_token_id or [])
     n = args.new_tokens
-    bandwidth = read_bandwidth() if device.type == "cpu" else None
+    bandwidth = read_bandwidth(device)
     print(f"command: python {shlex.join(sys.argv)}")
-    print(f"machine: {machine()}; read bandwidth {bandwidth:.1f} GB/s" if bandwidth else f"machine: {machine()}")
+    print(f"machine: {machine()}; read bandwidth {bandwidth:.1f} GB/s ({device.type})")
     print(f"model: {args.model}; {n} new tokens, greedy, batch 1, {args.prompts} prompts per set\n", flush=True)
 
     def wanted(name: str) -> bool:
@@ -161,6 +170,7 @@ def main() -> None:
             engine = Engine(model, max_len=1024, **kw)
             if engine.compiled is not None:
                 greedy(engine, sets_[next(iter(sets_))][0], 4)  # the first call compiles
+            print(f"  [{engine.describe()}]", file=sys.stderr, flush=True)
             cost = default_token_cost(device)
             w4_draft = Engine(model, quantize="w4", max_len=1024) if "draft" in method else None
             draft = lambda: DraftModel(w4_draft, 0.4)  # noqa: E731
@@ -178,40 +188,44 @@ def main() -> None:
         model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
         start = time.perf_counter()
         run_hf(model, sets_[next(iter(sets_))][0], 4)
-        return (lambda p: run_hf(model, p, n)), 2 * sum(p.numel() for p in hf_fp32.parameters()), \
-            time.perf_counter() - start
+        return (lambda p: run_hf(model, p, n)), bf16_bytes, time.perf_counter() - start
 
-    fp32_bytes = sum(m.weight.numel() for m in hf_fp32.modules() if isinstance(m, torch.nn.Linear)) * 4
-    rows["transformers eager greedy, fp32"] = hf_row(hf_fp32, fp32_bytes)
-    rows["transformers eager greedy, bf16"] = hf_row(hf_bf16, fp32_bytes // 2)
+    bf16_bytes = sum(m.weight.numel() for m in hf_bf16.modules() if isinstance(m, torch.nn.Linear)) * 2
+    if not cuda:
+        rows["transformers eager greedy, fp32"] = hf_row(hf_fp32, 2 * bf16_bytes)
+    rows["transformers eager greedy, bf16"] = hf_row(hf_bf16, bf16_bytes)
     rows["transformers static cache + torch.compile, bf16"] = hf_static_compiled
-    rows["ours greedy, eager"] = engine_row(hf_fp32)
-    rows["ours greedy, compiled"] = engine_row(hf_fp32, compile=True)
+    rows["ours greedy, eager"] = engine_row(base, graphs=False) if cuda else engine_row(base)
+    if cuda:
+        rows["ours greedy, CUDA graphs"] = engine_row(base)
+    compiled = "compiled + CUDA graphs" if cuda else "compiled"
+    rows[f"ours greedy, {compiled}"] = engine_row(base, compile=True)
+    w4 = dict(compile=True, kernel=args.w4_kernel)
     if args.w4:
         w4_model = models.for_compute(models.load(args.w4, torch.bfloat16).model, device)
         kernels.attach_from_export(w4_model, args.w4)
-        rows[f"ours W4 greedy ({Path(args.w4).name}), compiled"] = engine_row(w4_model, compile=True)
+        rows[f"ours W4 greedy ({Path(args.w4).name}), {compiled}"] = engine_row(w4_model, **w4)
     else:
-        rows["ours W4 greedy (RTN in memory), compiled"] = engine_row(hf_fp32, quantize="w4", compile=True)
-    rows["ours W4 greedy + int4 lm_head (lossy), compiled"] = engine_row(hf_fp32, quantize="w4", compile=True,
-                                                                         lm_head="int4")
+        rows[f"ours W4 greedy (RTN in memory), {compiled}"] = engine_row(base, quantize="w4", **w4)
+    rows[f"ours W4 greedy + int4 lm_head (lossy), {compiled}"] = engine_row(base, quantize="w4", lm_head="int4", **w4)
     if args.w8a8:
         w8a8 = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)
         rows[f"ours W8A8 greedy ({Path(args.w8a8).name}), eager"] = engine_row(w8a8)
-    rows["ours prompt lookup"] = engine_row(hf_fp32, "lookup")
-    rows["ours W4 self-draft"] = engine_row(hf_fp32, "draft")
-    rows["ours W4 self-draft + prompt lookup"] = engine_row(hf_fp32, "lookup+draft")
+    rows["ours prompt lookup"] = engine_row(base, "lookup")
+    rows["ours W4 self-draft"] = engine_row(base, "draft")
+    rows["ours W4 self-draft + prompt lookup"] = engine_row(base, "lookup+draft")
+    base_bytes = bf16_bytes if cuda else 2 * bf16_bytes
     rows["ours lookahead (W=3 N=3 G=5), transformers' forward"] = \
-        lambda: ((lambda p: ours(lookahead(hf_fp32, p, n, 3, 3, 5, eos=eos))), fp32_bytes, None)
+        lambda: ((lambda p: ours(lookahead(base, p, n, 3, 3, 5, eos=eos))), base_bytes, None)
 
     def early_exit_row():
         from compress.arch import decoder_layers
 
-        exits = early_exit.default_exits(len(decoder_layers(hf_fp32)))
-        calibration, _ = data.calibration_batches(hf_fp32, tokenizer, "wikitext2", 2, 256, seed=0)
-        threshold = early_exit.calibrate(hf_fp32, calibration, exits, target=0.9)["threshold"]
-        return (lambda p: ours(early_exit.early_exit_greedy(hf_fp32, p, n, threshold, exits, eos=eos))), \
-            fp32_bytes, None
+        exits = early_exit.default_exits(len(decoder_layers(base)))
+        calibration, _ = data.calibration_batches(base, tokenizer, "wikitext2", 2, 256, seed=0)
+        threshold = early_exit.calibrate(base, calibration, exits, target=0.9)["threshold"]
+        return (lambda p: ours(early_exit.early_exit_greedy(base, p, n, threshold, exits, eos=eos))), \
+            base_bytes, None
 
     rows["ours early exit (lossy), transformers' forward"] = early_exit_row
     if args.kivi:
@@ -226,20 +240,27 @@ def main() -> None:
 
     sets_ = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()
              if name in args.sets}
-    head = ["prompts", "method", "tokens/s", "× transformers eager fp32", "tokens/forward", "= transformers bf16 greedy",
-            "compile s", "weights MB/token", "of read bandwidth"]
+    head = ["prompts", "method", "tokens/s", f"× {reference_name.removesuffix(' greedy')}", "tokens/forward",
+            "= transformers bf16 greedy", "= ours greedy", "compile s", "weights MB/token", "of read bandwidth"]
     built = {}
     for name, setup in rows.items():
-        if name.startswith("transformers eager") or wanted(name):
+        if name.startswith("transformers eager") or name == "ours greedy, eager" or wanted(name):
             print(f"setting up: {name}", file=sys.stderr, flush=True)
-            built[name] = setup()
+            try:
+                built[name] = setup()
+            except Exception as e:  # noqa: BLE001 - one broken row must not cost the others
+                print(f"  [{name}: setup failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}]", file=sys.stderr)
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head), flush=True)
     for set_name, ps in sets_.items():
         outputs = {name: [] for name in built}
         seconds, forwards = dict.fromkeys(built, 0.0), dict.fromkeys(built, 0)
-        for name, (run, _, _) in built.items():
-            run(ps[0][:, :32])  # warm-up
+        for name, (run, _, _) in list(built.items()):
+            try:
+                run(ps[0][:, :32])  # warm-up
+            except Exception as e:  # noqa: BLE001
+                print(f"  [{name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}]", file=sys.stderr)
+                del built[name], outputs[name]
         for i, p in enumerate(ps):  # every method on one prompt, then the next: a drifting machine hits all alike
             for name, (run, _, _) in built.items():
                 out, s, f = run(p)
@@ -247,16 +268,17 @@ def main() -> None:
                 seconds[name] += s
                 forwards[name] += f or 0
             print(f"{set_name}: prompt {i + 1}/{len(ps)} done", file=sys.stderr, flush=True)
-        reference_rate = sum(map(len, outputs["transformers eager greedy, fp32"])) / \
-            seconds["transformers eager greedy, fp32"]
-        reference = outputs["transformers eager greedy, bf16"]
+        reference_rate = sum(map(len, outputs[reference_name])) / seconds[reference_name]
+        reference, ours_greedy = outputs["transformers eager greedy, bf16"], outputs["ours greedy, eager"]
         for name, (_, bytes_per_token, compile_s) in built.items():
             tokens = sum(map(len, outputs[name]))
             rate = tokens / seconds[name]
             same = sum(a == b for a, b in zip(outputs[name], reference))
+            same_ours = sum(a == b for a, b in zip(outputs[name], ours_greedy))
             traffic = f"{bytes_per_token * rate / 1e9 / bandwidth:.0%}" if bandwidth and bytes_per_token else ""
             print("| " + " | ".join([set_name, name, f"{rate:.1f}", f"{rate / reference_rate:.2f}×",
                                      f"{tokens / forwards[name]:.2f}" if forwards[name] else "", f"{same}/{len(ps)}",
+                                     f"{same_ours}/{len(ps)}",
                                      f"{compile_s:.0f}" if compile_s else "",
                                      f"{bytes_per_token / 1e6:.0f}" if bytes_per_token else "", traffic]) + " |",
                   flush=True)

@@ -66,3 +66,35 @@ def test_engine_on_cuda_equals_transformers_greedy(model_type):
     assert engine.formats["qkv"] == "dense" and engine.dtype == torch.float32  # the model's dtype on a GPU
     reference = model.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)[0, 24:].tolist()
     assert greedy(engine, prompt, 32).tokens == reference
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_cuda_graph_steps_equal_eager_steps_and_speculation_equals_greedy(model_type):
+    from compress.decode.engine import Engine
+
+    model = tiny(model_type, layers=4).to(CUDA)
+    g = torch.Generator().manual_seed(0)
+    motif = torch.randint(0, 128, (8,), generator=g)
+    prompt = torch.cat([torch.randint(0, 128, (24,), generator=g), motif, motif]).unsqueeze(0).to(CUDA)
+    eager, graphed = Engine(model, graphs=False), Engine(model, max_len=48)  # grows: 40 + 40 > 48
+    assert graphed.graphs
+    plain = greedy(graphed, prompt, 40)
+    assert plain.tokens == greedy(eager, prompt, 40).tokens
+    assert graphed.max_len >= 80 and 1 in graphed.captured
+    fast = speculate(graphed, prompt, 40, PromptLookup(), k=5)
+    assert fast.tokens == plain.tokens and fast.forwards < plain.forwards
+
+
+def test_cuda_int4_kernel_computes_the_dequantized_weights():
+    from compress.decode import kernels
+    from compress.quant import dequantize
+
+    linear = torch.nn.Linear(576, 1536, bias=False)
+    w4 = kernels.rtn_w4(linear)
+    assert kernels.exact_formats([w4], CUDA) == ["dense", "int4"]
+    matmul = kernels.build("int4", [w4], CUDA)
+    qw = w4.quantized
+    x = torch.randn(3, 576, device=CUDA, dtype=torch.bfloat16)
+    reference = x.float() @ dequantize(qw.q, qw.scale, qw.zero_point, torch.float32).to(CUDA).t()
+    error = (matmul(x).float() - reference).norm() / reference.norm()
+    assert error < 1e-2, error

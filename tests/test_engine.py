@@ -51,6 +51,28 @@ def test_verify_step_equals_one_token_steps_and_crop_forgets():
     torch.testing.assert_close(after_crop, engine.forward([11]), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_fixed_shape_step_equals_the_dynamic_step(model_type):
+    """What a CUDA graph replays (attention over every cache slot under a mask, no value read
+    back to the host), checked on the CPU against the step over the filled span."""
+    model = tiny(model_type, layers=4)
+    engine = Engine(model, kernel="fp32", max_len=64)
+    engine.forward(_prompt())  # 24 tokens: past Gemma-3's 8-token sliding window
+    for ids in ([7], [5, 17, 99, 3]):
+        positions = torch.arange(engine.length, engine.length + len(ids))
+        static = engine._static_body(torch.tensor(ids), positions)
+        dynamic = engine._logits(engine._body(torch.tensor(ids), positions, engine.length + len(ids)))
+        torch.testing.assert_close(static, dynamic, atol=1e-5, rtol=1e-5)
+        engine.forward(ids)
+
+
+def test_cuda_graphs_are_refused_without_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(DecodeError, match="CUDA graphs need a CUDA device"):
+        Engine(tiny("llama"), graphs=True)
+
+
 @pytest.mark.slow
 def test_engine_greedy_equals_transformers_greedy_on_smollm2(smollm2):
     import copy

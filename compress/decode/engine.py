@@ -100,6 +100,13 @@ class Engine:
     serves every cache length; artifacts cached under ``$COMPRESS_CACHE/inductor``); eager if
     it fails. Prompts and verify steps run eager.
 
+    ``graphs`` (default: on a GPU): steps of up to ``kernels.VERIFY_ROWS`` tokens (one-token
+    steps and speculative verify steps) replay a CUDA graph captured once per token count,
+    so a small model's step costs the GPU's time, not one Python launch per operation. A graph
+    needs fixed shapes, so these steps attend over every cache slot with a mask of the filled
+    ones (the dynamic path attends over the filled part only). With ``compile`` the one-token
+    step is compiled (fixed shapes) before it is captured.
+
     A model carrying a KIVI scheme (the ``kv_cache`` pass) gets KIVI's numerics: once the
     full-precision window holds ``residual`` tokens, they are quantized and replaced in the
     cache by their dequantized values, as ``kvcache.KIVICache`` does, so attention reads what
@@ -110,7 +117,7 @@ class Engine:
 
     def __init__(self, model, kernel: str = "auto", max_len: int = 1024, quantize: str | None = None,
                  lm_head: str | None = None, dtype: torch.dtype | None = None, compile: bool = False,
-                 kivi: bool = True):
+                 kivi: bool = True, graphs: bool | None = None):
         config = model.config
         if config.model_type not in SUPPORTED:
             raise DecodeError(f"the decode engine supports {', '.join(SUPPORTED)} models, not {config.model_type}")
@@ -164,11 +171,21 @@ class Engine:
         self.max_len, self.length, self.k_cache, self.v_cache = 0, 0, [], []
         self._allocate(max_len)
         self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise DecodeError("CUDA graphs need a CUDA device; run without graphs on the CPU")
         self.compiled, self.compile_seconds, self.note = None, 0.0, ""
         if compile:
             if not USER_INDUCTOR_CACHE:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
-            self.compiled = torch.compile(self._body, fullgraph=True, dynamic=True)
+            self.compiled = self._compile()
+
+    def _compile(self):
+        """One-token steps through inductor: over the filled span (dynamic shapes) on the CPU, over
+        the whole cache (fixed shapes, then captured) with graphs."""
+        if self.graphs:
+            return torch.compile(self._static_body, fullgraph=True, dynamic=False)
+        return torch.compile(self._body, fullgraph=True, dynamic=True)
 
     @property
     def layer_count(self) -> int:
@@ -183,6 +200,7 @@ class Engine:
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         for new, kept in zip(self.k_cache + self.v_cache, old):
             new[:, :, : self.length] = kept[:, :, : self.length]
+        self.captured = {}  # token count -> (graph, ids, positions, logits): graphs read the old cache
         positions = torch.arange(max_len, device=self.device)[None]
         probe = torch.zeros((), dtype=self.dtype, device=self.device)
         self.rotary = {}
@@ -223,7 +241,7 @@ class Engine:
         view.length, view.k_cache, view.v_cache, view.kv_scheme = 0, [], [], None  # a draft: full precision
         view._allocate(self.max_len)
         if self.compiled is not None:  # a graph of its own: the view runs other layers
-            view.compiled, view.compile_seconds = torch.compile(view._body, fullgraph=True, dynamic=True), 0.0
+            view.compiled, view.compile_seconds = view._compile(), 0.0
         return view
 
     @torch.no_grad()
@@ -239,45 +257,90 @@ class Engine:
         if start + count > self.max_len:
             self._allocate(max(2 * self.max_len, start + count))
         positions = torch.arange(start, start + count, device=self.device)
-        x = self._run(ids, positions, start + count)
+        if self.graphs and count <= kernels.VERIFY_ROWS:
+            logits = self._replay(ids, positions)
+        else:
+            x = self._run(ids, positions, start + count)
+            logits = self._logits(x if all_logits else x[-1:])
         self.length = start + count
-        return self._logits(x if all_logits else x[-1:])
+        return logits if all_logits else logits[-1:]
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         if self.compiled is None or ids.numel() > 1:  # compiled: the one-token step, where overhead counts
             return self._body(ids, positions, span)
-        first = not self.compile_seconds
-        start = time.perf_counter()
+        return self._compiled_call(ids, positions, span)
+
+    def _compiled_call(self, *args) -> torch.Tensor:
+        """``self.compiled(*args)``, timing the first call (the compile) and falling back to eager."""
+        eager = self._static_body if self.graphs else self._body
+        first, start = not self.compile_seconds, time.perf_counter()
         try:
-            x = self.compiled(ids, positions, span)
+            x = self.compiled(*args)
         except Exception as e:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower: run eager
             self.compiled, self.note = None, f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); running eager"
             print(f"[decode engine: {self.note}]", file=sys.stderr)
-            return self._body(ids, positions, span)
+            return eager(*args)
         if first:
             self.compile_seconds = time.perf_counter() - start
         return x
+
+    def _static_body(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits of a step with fixed shapes: attention spans every cache slot, masked."""
+        return self._logits(self._body(ids, positions, self.max_len, static=True))
+
+    def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A step of ``len(ids)`` tokens through its CUDA graph, captured on the first such step.
+
+        The first step runs for real (warming up on a side stream, as capture requires: lazy
+        library handles, the row-exactness probe of each matmul), then is recorded; recording
+        runs nothing, so the cache holds that step's keys and values exactly once."""
+        count = ids.numel()
+        if count not in self.captured:
+            compiled = count == 1 and self.compiled is not None
+            static_ids, static_positions = ids.clone(), positions.clone()
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                logits = (self._compiled_call if compiled else self._static_body)(static_ids, static_positions)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            step = self.compiled if compiled and self.compiled is not None else self._static_body
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool()):
+                out = step(static_ids, static_positions)
+            self.captured[count] = (graph, static_ids, static_positions, out)
+            return logits
+        graph, static_ids, static_positions, out = self.captured[count]
+        static_ids.copy_(ids)
+        static_positions.copy_(positions)
+        graph.replay()
+        return out.clone()  # graphs share one memory pool: the next replay may overwrite ``out``
+
+    def _pool(self):
+        if not hasattr(self, "_graph_pool"):
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        return self._graph_pool
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.final_norm(x)).float()
         cap = self.softcap_logits
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _masks(self, positions: torch.Tensor, span: int) -> dict:
+    def _masks(self, positions: torch.Tensor, span: int, static: bool = False) -> dict:
         """Per window size, which of the ``span`` cache slots each new token sees (None: all)."""
         slots = torch.arange(span, device=self.device)
         causal = slots[None, :] <= positions[:, None]
-        masks = {None: None if positions.numel() == 1 else causal}
+        masks = {None: None if positions.numel() == 1 and not static else causal}
         for window in {layer.window for layer in self.layers} - {None}:
             masks[window] = causal & (positions[:, None] - slots[None, :] < window)
         return masks
 
-    def _body(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        """The decoder blocks over new tokens at ``positions``, attending to cache slots ``[0, span)``."""
+    def _body(self, ids: torch.Tensor, positions: torch.Tensor, span: int, static: bool = False) -> torch.Tensor:
+        """The decoder blocks over new tokens at ``positions``, attending to cache slots ``[0, span)``;
+        ``static``: no value is read back to the host (fixed shapes, for a CUDA graph)."""
         x = F.embedding(ids, self.embed).to(self.dtype)
         if self.embed_scale != 1.0:
             x = x * torch.tensor(self.embed_scale, dtype=self.embed.dtype).to(self.dtype)
-        count, masks = ids.numel(), self._masks(positions, span)
+        count, masks = ids.numel(), self._masks(positions, span, static)
         rotary = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in self.rotary.items()}
         for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
             h = layer.attn_norm(x)
@@ -291,7 +354,7 @@ class Engine:
             k_cache[0, :, positions] = k
             v_cache[0, :, positions] = v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)
             attn = self._attention(q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window], layer.window,
-                                   positions)
+                                   None if static else positions)
             h = layer.o(attn.transpose(0, 1).reshape(count, self.q_size))
             x = x + (layer.post_attn_norm(h) if layer.post_attn_norm is not None else h)
             gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, -1)
@@ -303,9 +366,12 @@ class Engine:
         """Attention of the new tokens over the cache. A verify step (up to ``kernels.VERIFY_ROWS`` tokens)
         attends row by row, each over exactly its own prefix, as a one-token step does: SDPA over a
         longer masked span rounds differently (in bf16, enough to flip a near-tie), and lossless
-        speculation must give the tokens plain greedy gives. Longer inputs (prompts) are one call."""
+        speculation must give the tokens plain greedy gives. Longer inputs (prompts) are one call.
+        ``positions`` None: fixed shapes, every row over the whole span under its mask row."""
         if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS:
             return self._sdpa(q, k, v, mask)
+        if positions is None:
+            return torch.cat([self._sdpa(q[:, i : i + 1], k, v, mask[i : i + 1]) for i in range(q.shape[1])], 1)
         rows = []
         for i, end in enumerate((positions + 1).tolist()):
             rows.append(self._sdpa(q[:, i : i + 1], k[:, :end], v[:, :end],

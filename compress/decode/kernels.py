@@ -29,12 +29,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .loop import sync
 from ..quant import QuantizedWeight, QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
 
 INT4_GROUPS = (32, 64, 128, 256)
 
 
-def int4_kernel_available() -> bool:
+def int4_kernel_available(device: torch.device = torch.device("cpu")) -> bool:
+    """Whether torch has the int4 kernel for ``device``: the CPU one, or tinygemm on an Ampere or
+    newer GPU (bf16 tensor cores)."""
+    if device.type == "cuda":
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm") and torch.cuda.get_device_capability(device)[0] >= 8
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
@@ -156,9 +161,10 @@ class Matmul:
     fmt = ""
     dtype = torch.float32  # what the kernel takes; inputs are cast to it and outputs back
     nbytes = 0
+    device = torch.device("cpu")
 
     def __init__(self, bias: torch.Tensor | None):
-        self.bias = None if bias is None else bias.detach().to(self.dtype)
+        self.bias = None if bias is None else bias.detach().to(self.device, self.dtype)
         self.handle = next(_HANDLES)
         _MATMULS[self.handle] = self
 
@@ -190,7 +196,7 @@ class Matmul:
         up to ``VERIFY_ROWS`` rows makes the matmul run row by row in verify steps."""
         generator = torch.Generator().manual_seed(0)
         for _ in range(8):
-            x = torch.randn(VERIFY_ROWS, self.in_features, generator=generator).to(self.dtype)
+            x = torch.randn(VERIFY_ROWS, self.in_features, generator=generator).to(self.device, self.dtype)
             single = torch.cat([self.matmul(row) for row in x.split(1)])
             if not all(torch.equal(self.matmul(x[:rows]), single[:rows]) for rows in range(2, VERIFY_ROWS + 1)):
                 return 1
@@ -220,6 +226,7 @@ class Dense(Matmul):
 
     def __init__(self, weight: torch.Tensor, bias, dtype: torch.dtype = torch.float32):
         self.dtype, self.fmt = dtype, "fp32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
+        self.device = weight.device
         super().__init__(bias)
         self.weight = weight.to(dtype).contiguous()
         self.nbytes, (self.out_features, self.in_features) = self.weight.nbytes, weight.shape
@@ -260,6 +267,30 @@ class Int4(Matmul):
 
     def matmul(self, x):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+
+
+class Int4CUDA(Matmul):
+    """tinygemm's int4 kernel on a GPU (``_weight_int4pack_mm``): the same dequantization as the
+    CPU kernel (``(u − 8)·scale + zero``), another packing (two codes a byte, then tiled)."""
+
+    fmt, dtype = "int4", torch.bfloat16
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias, device: torch.device):
+        self.device = device
+        super().__init__(bias)
+        self.group_size = q.shape[1] // scale.shape[1]
+        u = (q.to(torch.int32) + 8).to(device)
+        inner_k_tiles = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack((u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8),
+                                                                 inner_k_tiles)
+        scale = scale.float()
+        self.scales_and_zeros = torch.stack([scale, -zero.float() * scale], -1).transpose(0, 1).contiguous() \
+            .to(device, self.dtype)
+        self.nbytes = q.numel() // 2 + self.scales_and_zeros.nbytes
+        self.out_features, self.in_features = q.shape
+
+    def matmul(self, x):
+        return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
 class Int8(Matmul):
@@ -310,7 +341,7 @@ def _bias(linears: list) -> torch.Tensor | None:
 def exact_formats(linears: list, device: torch.device) -> list[str]:
     """The formats that hold every linear of the group exactly, on ``device``."""
     if device.type != "cpu":
-        return ["dense"]
+        return ["dense"] + (["int4"] if _int4_fits(linears, device) else [])
     if all(_w8a8_integers(lin) is not None for lin in linears):
         return ["w8a8"]  # its activations are int8 by design: the float formats would not be W8A8
     found = ["fp32"] + (["fp32-onednn"] if onednn_available() else [])
@@ -320,12 +351,19 @@ def exact_formats(linears: list, device: torch.device) -> list[str]:
     schemes = [quantized_of(lin) and quantized_of(lin).scheme for lin in linears]
     if all(s is not None and s.bits == 8 and s.symmetric and s.group_size == -1 for s in schemes):
         found.append("int8")
-    if int4_kernel_available() and all(s is not None and s.bits == 4 for s in schemes) and \
-            len({quantized_of(lin).scale.shape[1] for lin in linears}) == 1 and \
-            linears[0].in_features // quantized_of(linears[0]).scale.shape[1] in INT4_GROUPS and \
-            sum(lin.out_features for lin in linears) % 16 == 0:
+    if _int4_fits(linears, device):
         found.append("int4")
     return found
+
+
+def _int4_fits(linears: list, device: torch.device) -> bool:
+    """W4 integers recorded on every linear, one group size the kernel takes, shapes it tiles."""
+    qws = [quantized_of(lin) for lin in linears]
+    return (int4_kernel_available(device) and all(qw is not None and qw.scheme.bits == 4 for qw in qws)
+            and len({qw.scale.shape[1] for qw in qws}) == 1
+            and linears[0].in_features // qws[0].scale.shape[1] in INT4_GROUPS
+            and sum(lin.out_features for lin in linears) % 16 == 0
+            and (device.type == "cpu" or linears[0].in_features % 32 == 0))
 
 
 def build(fmt: str, linears: list, device: torch.device) -> Matmul:
@@ -346,8 +384,10 @@ def build(fmt: str, linears: list, device: torch.device) -> Matmul:
     if fmt == "int8":
         return Int8(torch.cat([qw.q for qw in qws]), torch.cat([qw.scale for qw in qws]), bias)
     if fmt == "int4":
-        return Int4(torch.cat([qw.q for qw in qws]), torch.cat([qw.scale for qw in qws]),
-                    torch.cat([qw.zero_point for qw in qws]), bias)
+        q, scale, zero = (torch.cat([getattr(qw, part) for qw in qws]) for part in ("q", "scale", "zero_point"))
+        if device.type == "cuda":
+            return Int4CUDA(q, scale, zero, bias, device)
+        return Int4(q, scale, zero, bias)
     raise ValueError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
 
 
@@ -381,9 +421,11 @@ def _time_one_row(matmuls: list[Matmul], width: int, dtype: torch.dtype, device:
         m(x)  # warm-up: first calls allocate
     times = []
     for _ in range(repeats):
+        sync(device)
         start = time.perf_counter()
         for m in matmuls:
             m(x)
+        sync(device)
         times.append(time.perf_counter() - start)
     return min(times) * 1e3
 
@@ -413,8 +455,10 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
                 timings[name][fmt] = _time_one_row(built, width, torch.float32, device)
                 del built
             formats[name] = min(timings[name], key=timings[name].get)
-        elif kernel in exact or exact in (["w8a8"], ["dense"]):  # W8A8 and accelerators have one format
+        elif kernel in exact or exact == ["w8a8"]:  # W8A8 has one format
             formats[name] = kernel if kernel in exact else exact[0]
+        elif "dense" in exact:  # an accelerator: its own dtype
+            formats[name] = "dense"
         else:  # dense, or a format that does not hold these weights: bf16 for a bf16 format, else fp32
             formats[name] = "bf16" if takes_bf16(kernel) and "bf16" in exact else "fp32"
     return formats, timings
