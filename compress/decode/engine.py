@@ -105,7 +105,8 @@ class Engine:
     so a small model's step costs the GPU's time, not one Python launch per operation. A graph
     needs fixed shapes, so these steps attend over every cache slot with a mask of the filled
     ones (the dynamic path attends over the filled part only). With ``compile`` the one-token
-    step is compiled (fixed shapes) before it is captured.
+    step runs through inductor with its own CUDA graphs (``mode="reduce-overhead"``): fused,
+    so it rounds differently from the uncompiled verify steps (use it for greedy decoding).
 
     A model carrying a KIVI scheme (the ``kv_cache`` pass) gets KIVI's numerics: once the
     full-precision window holds ``residual`` tokens, they are quantized and replaced in the
@@ -168,12 +169,12 @@ class Engine:
                 window=window, rotary=config.layer_types[i] if gemma else "default"))
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.context = getattr(config, "max_position_embeddings", None) or 1 << 20
-        self.max_len, self.length, self.k_cache, self.v_cache = 0, 0, [], []
-        self._allocate(max_len)
-        self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise DecodeError("CUDA graphs need a CUDA device; run without graphs on the CPU")
+        self.max_len, self.length, self.k_cache, self.v_cache = 0, 0, [], []
+        self._allocate(max_len)
+        self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
         self.compiled, self.compile_seconds, self.note = None, 0.0, ""
         if compile:
             if not USER_INDUCTOR_CACHE:
@@ -181,11 +182,21 @@ class Engine:
             self.compiled = self._compile()
 
     def _compile(self):
-        """One-token steps through inductor: over the filled span (dynamic shapes) on the CPU, over
-        the whole cache (fixed shapes, then captured) with graphs."""
+        """One-token steps through inductor: over the filled span (dynamic shapes) on the CPU; with
+        graphs, over the whole cache (fixed shapes) in inductor's own CUDA graphs, which need the
+        tensors the step reads or writes in place at fixed addresses (``_mark_static``)."""
         if self.graphs:
-            return torch.compile(self._static_body, fullgraph=True, dynamic=False)
+            return torch.compile(self._static_body, mode="reduce-overhead", fullgraph=True, dynamic=False)
         return torch.compile(self._body, fullgraph=True, dynamic=True)
+
+    def _mark_static(self) -> None:
+        """Tell inductor's CUDA graphs that the cache, tables and norms stay where they are (else
+        each replay would copy them in: the cache is written in place, and copied it would be lost)."""
+        norms = [n for layer in self.layers for n in (layer.attn_norm, layer.mlp_norm, layer.post_attn_norm,
+                                                       layer.post_mlp_norm, layer.q_norm, layer.k_norm) if n]
+        tables = [t for pair in self.rotary.values() for t in pair]
+        for t in [self.embed, self.final_norm.weight, *tables, *(n.weight for n in norms), *self.k_cache, *self.v_cache]:
+            torch._dynamo.mark_static_address(t)
 
     @property
     def layer_count(self) -> int:
@@ -209,6 +220,8 @@ class Engine:
             cos, sin = self.rotary_module(probe, positions, *args)
             self.rotary[kind] = (cos[0].to(self.dtype), sin[0].to(self.dtype))
         self.max_len = max_len
+        if self.graphs:
+            self._mark_static()
 
     def reset(self) -> None:
         self.length = self.quantized_upto = 0
@@ -257,7 +270,9 @@ class Engine:
         if start + count > self.max_len:
             self._allocate(max(2 * self.max_len, start + count))
         positions = torch.arange(start, start + count, device=self.device)
-        if self.graphs and count <= kernels.VERIFY_ROWS:
+        if self.graphs and count == 1 and self.compiled is not None:
+            logits = self._compiled_call(ids, positions).clone()  # the next replay reuses its output
+        elif self.graphs and count <= kernels.VERIFY_ROWS:
             logits = self._replay(ids, positions)
         else:
             x = self._run(ids, positions, start + count)
@@ -296,17 +311,15 @@ class Engine:
         runs nothing, so the cache holds that step's keys and values exactly once."""
         count = ids.numel()
         if count not in self.captured:
-            compiled = count == 1 and self.compiled is not None
             static_ids, static_positions = ids.clone(), positions.clone()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                logits = (self._compiled_call if compiled else self._static_body)(static_ids, static_positions)
+                logits = self._static_body(static_ids, static_positions)
             torch.cuda.current_stream(self.device).wait_stream(side)
-            step = self.compiled if compiled and self.compiled is not None else self._static_body
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool()):
-                out = step(static_ids, static_positions)
+                out = self._static_body(static_ids, static_positions)
             self.captured[count] = (graph, static_ids, static_positions, out)
             return logits
         graph, static_ids, static_positions, out = self.captured[count]

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .loop import sync
 from ..quant import QuantizedWeight, QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
+from .loop import sync
 
 INT4_GROUPS = (32, 64, 128, 256)
 
@@ -171,7 +171,8 @@ class Matmul:
     @property
     def out_shape(self) -> torch.Tensor:
         if not hasattr(self, "_out_shape"):
-            self._out_shape = torch.empty(self.out_features, dtype=torch.float32 if self.fmt == "w8a8" else self.dtype)
+            self._out_shape = torch.empty(self.out_features, dtype=torch.float32 if self.fmt == "w8a8" else self.dtype,
+                                          device=self.device)
         return self._out_shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
