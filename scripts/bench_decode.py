@@ -195,21 +195,20 @@ def main() -> None:
     if not cuda:
         rows["transformers eager greedy, fp32"] = hf_row(hf_fp32, 2 * bf16_bytes)
     rows["transformers eager greedy, bf16"] = hf_row(hf_bf16, bf16_bytes)
-    rows["transformers static cache + torch.compile, bf16"] = hf_static_compiled
     rows["ours greedy, eager"] = engine_row(base, graphs=False) if cuda else engine_row(base)
     if cuda:
         rows["ours greedy, CUDA graphs"] = engine_row(base)
     ours_name = "ours greedy, CUDA graphs" if cuda else "ours greedy, eager"  # what speculation must reproduce
     compiled = "compiled + CUDA graphs" if cuda else "compiled"
     rows[f"ours greedy, {compiled}"] = engine_row(base, compile=True)
-    w4 = dict(compile=True, kernel=args.w4_kernel)
+    w4, how = dict(compile=not cuda, kernel=args.w4_kernel), "CUDA graphs" if cuda else "compiled"
     if args.w4:
         w4_model = models.for_compute(models.load(args.w4, torch.bfloat16).model, device)
         kernels.attach_from_export(w4_model, args.w4)
-        rows[f"ours W4 greedy ({Path(args.w4).name}), {compiled}"] = engine_row(w4_model, **w4)
+        rows[f"ours W4 greedy ({Path(args.w4).name}), {how}"] = engine_row(w4_model, **w4)
     else:
-        rows[f"ours W4 greedy (RTN in memory), {compiled}"] = engine_row(base, quantize="w4", **w4)
-    rows[f"ours W4 greedy + int4 lm_head (lossy), {compiled}"] = engine_row(base, quantize="w4", lm_head="int4", **w4)
+        rows[f"ours W4 greedy (RTN in memory), {how}"] = engine_row(base, quantize="w4", **w4)
+    rows[f"ours W4 greedy + int4 lm_head (lossy), {how}"] = engine_row(base, quantize="w4", lm_head="int4", **w4)
     if args.w8a8:
         w8a8 = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)
         rows[f"ours W8A8 greedy ({Path(args.w8a8).name}), eager"] = engine_row(w8a8)
@@ -233,6 +232,8 @@ def main() -> None:
     if args.kivi:
         kivi = models.for_compute(models.load(args.kivi, torch.bfloat16).model, device)
         rows[f"ours KIVI {kvcache.scheme_of(kivi).describe()} greedy, eager"] = engine_row(kivi)
+    rows["transformers static cache + torch.compile, bf16"] = hf_static_compiled  # last: on a GPU its CUDA
+    # graphs share inductor's tree with our compiled rows, and a failure there can break later rows
     try:
         import llama_cpp  # noqa: F401 - optional: the speed CPU users know
 
@@ -251,25 +252,26 @@ def main() -> None:
             try:
                 built[name] = setup()
             except Exception as e:  # noqa: BLE001 - one broken row must not cost the others
-                print(f"  [{name}: setup failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}]", file=sys.stderr)
+                print(f"  [{name}: setup failed: {why(e)}]", file=sys.stderr)
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head), flush=True)
     for set_name, ps in sets_.items():
         outputs = {name: [] for name in built}
         seconds, forwards = dict.fromkeys(built, 0.0), dict.fromkeys(built, 0)
-        for name, (run, _, _) in list(built.items()):
-            try:
-                run(ps[0][:, :32])  # warm-up
-            except Exception as e:  # noqa: BLE001
-                print(f"  [{name}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}]", file=sys.stderr)
-                del built[name], outputs[name]
-        for i, p in enumerate(ps):  # every method on one prompt, then the next: a drifting machine hits all alike
-            for name, (run, _, _) in built.items():
-                out, s, f = run(p)
+        for i, p in enumerate([ps[0][:, :32]] + ps):  # a warm-up, then every method on one prompt before the
+            for name, (run, _, _) in list(built.items()):  # next: a drifting machine hits all alike
+                try:
+                    out, s, f = run(p)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  [{name}: failed: {why(e)}]", file=sys.stderr)
+                    del built[name]
+                    continue
+                if i == 0:
+                    continue
                 outputs[name].append(out)
                 seconds[name] += s
                 forwards[name] += f or 0
-            print(f"{set_name}: prompt {i + 1}/{len(ps)} done", file=sys.stderr, flush=True)
+            print(f"{set_name}: prompt {i}/{len(ps)} done", file=sys.stderr, flush=True)
         reference_rate = sum(map(len, outputs[reference_name])) / seconds[reference_name]
         reference, ours_greedy = outputs["transformers eager greedy, bf16"], outputs[ours_name]
         for name, (_, bytes_per_token, compile_s) in built.items():
@@ -284,6 +286,10 @@ def main() -> None:
                                      f"{compile_s:.0f}" if compile_s else "",
                                      f"{bytes_per_token / 1e6:.0f}" if bytes_per_token else "", traffic]) + " |",
                   flush=True)
+
+
+def why(e: Exception) -> str:
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
 def llama_cpp_row(alias: str, n: int):

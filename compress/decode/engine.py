@@ -290,9 +290,12 @@ class Engine:
         eager = self._static_body if self.graphs else self._body
         first, start = not self.compile_seconds, time.perf_counter()
         try:
+            if self.graphs:  # a new step: outputs of inductor's earlier replays may be overwritten
+                torch.compiler.cudagraph_mark_step_begin()
             x = self.compiled(*args)
         except Exception as e:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower: run eager
-            self.compiled, self.note = None, f"torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0][:120]}); running eager"
+            why = (str(e).splitlines() or [""])[0][:120]
+            self.compiled, self.note = None, f"torch.compile failed ({type(e).__name__}: {why}); running eager"
             print(f"[decode engine: {self.note}]", file=sys.stderr)
             return eager(*args)
         if first:
