@@ -1,0 +1,80 @@
+"""What one engine step of k tokens costs, and whether it rounds like k one-token steps.
+
+    python scripts/step_cost.py [--model smollm2-135m] [--prompt-tokens 300] [--counts 1 2 4 8 16]
+        [--kernel auto] [--no-graphs] [--repeats 20]
+
+Speculation lives on two facts this prints per token count k, after a wikitext prompt: the
+median milliseconds of a k-token forward (a verify step; k = 1 is the plain step), and whether
+its logits equal, bitwise, those of k one-token forwards of the same tokens (lossless greedy
+speculation needs them equal: a near-tie decided differently changes the output). On a GPU the
+engine replays CUDA graphs unless ``--no-graphs``. One markdown row per k as soon as measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import statistics
+import sys
+import time
+
+import torch
+from bench_decode import machine  # this script's folder is on the path when run
+
+from compress import data, models
+from compress.decode.engine import Engine
+from compress.decode.loop import sync
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--prompt-tokens", type=int, default=300)
+    parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--kernel", default="auto")
+    parser.add_argument("--no-graphs", action="store_true", help="on a GPU, run the steps without CUDA graphs")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+
+    device = models.pick_device("auto")
+    loaded = models.load(args.model, torch.bfloat16)
+    model = models.for_compute(loaded.model, device)
+    text = data.tokenize(loaded.tokenizer, data.load_text("wikitext2", "test"))
+    prompt = text[5000 : 5000 + args.prompt_tokens].reshape(1, -1).to(device)
+    following = text[5000 + args.prompt_tokens :][: max(args.counts)].tolist()
+    engine = Engine(model, kernel=args.kernel, graphs=False if args.no_graphs else None)
+    print(f"command: python {shlex.join(sys.argv)}")
+    print(f"machine: {machine()}")
+    print(f"engine: {engine.describe()}; stream {str(engine.dtype).removeprefix('torch.')}; "
+          f"CUDA graphs {'on' if engine.graphs else 'off'}\n")
+    print("| tokens k | ms per step (median) | ms per token | × one-token step | logits = k one-token steps | "
+          "max abs difference | argmax agrees |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    one_token_ms = None
+    for k in args.counts:
+        ids = following[:k]
+        engine.reset()
+        engine.forward(prompt, all_logits=False)
+        together = engine.forward(ids)
+        engine.crop(k)
+        one_by_one = torch.cat([engine.forward([t]) for t in ids])
+        engine.crop(k)
+        times = []
+        for _ in range(args.repeats):
+            sync(device)
+            start = time.perf_counter()
+            engine.forward(ids)
+            sync(device)
+            times.append((time.perf_counter() - start) * 1e3)
+            engine.crop(k)
+        ms = statistics.median(times)
+        one_token_ms = one_token_ms or (ms if k == 1 else None)
+        ratio = f"{ms / one_token_ms:.2f}×" if one_token_ms else ""
+        difference = (together - one_by_one).abs().max().item()
+        agrees = (together.argmax(-1) == one_by_one.argmax(-1)).sum().item()
+        print(f"| {k} | {ms:.2f} | {ms / k:.2f} | {ratio} | {'yes' if torch.equal(together, one_by_one) else 'no'} | "
+              f"{difference:.2e} | {agrees}/{k} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
