@@ -2,7 +2,7 @@
 soon as it is measured.
 
     python scripts/bench_decode.py [--model smollm2-135m] [--prompts 8] [--new-tokens 128]
-        [--w4 DIR] [--w8a8 DIR] [--kivi DIR] [--only WORD ...] [--skip WORD ...]
+        [--w4 DIR] [--w4-kernel auto|int4|dense] [--w8a8 DIR] [--kivi DIR] [--only WORD ...] [--skip WORD ...]
 
 Two prompt sets of 8 through the chat template, greedy, batch 1: "grounded" (a ~300-token
 wikitext-2 test passage and a request to repeat or summarise it: the output reuses the input)
@@ -18,7 +18,10 @@ new tokens per target forward; outputs identical to transformers' bf16 greedy (t
 own precision; our bf16 engine is token-identical to it, so lossless rows on it match too); the
 first-run compile seconds (0 once the compiled code is cached on disk); weight bytes read per
 token; and that traffic as a share of the machine's measured read bandwidth (printed in the
-header). Every method runs on a prompt before the next prompt starts, so a machine whose speed
+header). On a GPU everything runs in bf16, the reference is transformers' eager bf16 greedy,
+our greedy runs eager and on CUDA graphs, and "= ours greedy" compares with the graph greedy
+that speculation must reproduce. A row that fails prints why and is dropped; the others go on.
+Every method runs on a prompt before the next prompt starts, so a machine whose speed
 drifts during the run (this project's shared CPUs do, by up to 2× between runs) slows all
 methods alike; rows are printed at the end of each set, a progress line after each prompt.
 """

@@ -5,7 +5,9 @@ fp32 (MKL), fp32 or bf16 prepacked for oneDNN, int8 weight-only (``_weight_int8p
 torch's packed-int4 CPU kernel (``_weight_int4pack_mm_for_cpu``, tinygemm's layout: ``u = q + 8``,
 ``zero = −z·scale``, so it computes exactly the weights we evaluate), or W8A8 on ``torch._int_mm``
 (each row rounded to int8 with its own scale ``max|x| / 127.5``, as compressed-tensors and our
-evaluation do). ``choose`` offers a group only the formats that hold its weights exactly and
+evaluation do). On a GPU: the model's dtype, or tinygemm's CUDA int4 kernel
+(``_weight_int4pack_mm``, same dequantization, its own packing) for W4 groups.
+``choose`` offers a group only the formats that hold its weights exactly and
 keeps the fastest measured here: which one wins depends on the CPU (the int4 kernel is the
 fastest per weight on AVX-512 parts and 20× slower than fp32 on the AVX2-only Zen 1 machines
 this project ran on before).
