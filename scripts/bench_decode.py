@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import platform
 import shlex
 import sys
@@ -295,23 +296,43 @@ def why(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
+# llama.cpp runs in a process of its own: a crash in native code there (seen once: a segfault in
+# llama_decode with torch loaded beside it) must cost its row, not the whole run.
+LLAMA_CPP_WORKER = """
+import json, sys, time
+from llama_cpp import Llama
+path, n, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = Llama(model_path=path, n_ctx=1024, n_threads=threads, verbose=False)
+for line in sys.stdin:
+    llm.reset()
+    start, out = time.perf_counter(), []
+    for token in llm.generate(json.loads(line), temp=0.0, top_k=1, reset=True):
+        if token == llm.token_eos() or len(out) >= n:
+            break
+        out.append(token)
+    print(json.dumps([out, time.perf_counter() - start]), flush=True)
+"""
+
+
 def llama_cpp_row(alias: str, n: int):
     """llama.cpp decoding the bundled GGUF (SmolLM2's Q4_1) on this CPU, greedy, same token ids."""
     def setup():
-        from llama_cpp import Llama
+        import subprocess
 
         folder, name = models.bundled_gguf(alias)
         path = Path(folder) / name
-        llm = Llama(model_path=str(path), n_ctx=1024, n_threads=torch.get_num_threads(), verbose=False)
+        worker = subprocess.Popen([sys.executable, "-c", LLAMA_CPP_WORKER, str(path), str(n),
+                                   str(torch.get_num_threads())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  text=True)
 
         def run(prompt):
-            llm.reset()
-            start, out = time.perf_counter(), []
-            for token in llm.generate(prompt[0].tolist(), temp=0.0, top_k=1, reset=True):
-                if token == llm.token_eos() or len(out) >= n:
-                    break
-                out.append(token)
-            return out, time.perf_counter() - start, None
+            worker.stdin.write(json.dumps(prompt[0].tolist()) + "\n")
+            worker.stdin.flush()
+            line = worker.stdout.readline()
+            if not line:
+                raise RuntimeError(f"the llama.cpp process ended (exit status {worker.wait()})")
+            out, seconds = json.loads(line)
+            return out, seconds, None
 
         return run, Path(path).stat().st_size, None
     return setup
