@@ -433,12 +433,19 @@ def _time_one_row(matmuls: list[Matmul], width: int, dtype: torch.dtype, device:
     return min(times) * 1e3
 
 
+# Timings of a group shape on a device, kept for the process: formats within timing noise of each
+# other would otherwise be chosen differently by two engines over the same model (and compute
+# differently: bf16 and fp32 round differently), which would make their outputs incomparable.
+_TIMED: dict[tuple, dict[str, float]] = {}
+
+
 def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
            lossy: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
     """The format of each linear group (name -> per-layer lists of linears), and what each
     timed candidate took for one token (ms over all layers).
 
-    ``auto`` times every exact format and keeps the fastest; ``dense`` keeps plain matmuls;
+    ``auto`` times every exact format (once per group shape in a process) and keeps the fastest;
+    ``dense`` keeps plain matmuls;
     a format name is used where it is exact, elsewhere bf16 (for a format that takes bf16
     rows, so the stream stays bf16) or fp32. ``lossy`` names a
     format per group to use whatever the weights are.
@@ -451,12 +458,16 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
         exact = [f for f in exact_formats(layers[0], device)
                  if all(f in exact_formats(lins, device) for lins in layers[1:])] or ["fp32"]
         if kernel == "auto" and len(exact) > 1:
-            width = layers[0][0].in_features
-            timings[name] = {}
-            for fmt in exact:
-                built = [build(fmt, lins, device) for lins in layers]
-                timings[name][fmt] = _time_one_row(built, width, torch.float32, device)
-                del built
+            key = (str(device), name, len(layers), tuple((lin.out_features, lin.in_features) for lin in layers[0]),
+                   tuple(exact))
+            if key not in _TIMED:
+                width, measured = layers[0][0].in_features, {}
+                for fmt in exact:
+                    built = [build(fmt, lins, device) for lins in layers]
+                    measured[fmt] = _time_one_row(built, width, torch.float32, device)
+                    del built
+                _TIMED[key] = measured
+            timings[name] = _TIMED[key]
             formats[name] = min(timings[name], key=timings[name].get)
         elif kernel in exact or exact == ["w8a8"]:  # W8A8 has one format
             formats[name] = kernel if kernel in exact else exact[0]
