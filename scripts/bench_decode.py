@@ -236,8 +236,8 @@ def main() -> None:
     if args.kivi:
         kivi = models.for_compute(models.load(args.kivi, torch.bfloat16).model, device)
         rows[f"ours KIVI {kvcache.scheme_of(kivi).describe()} greedy, eager"] = engine_row(kivi)
-    rows["transformers static cache + torch.compile, bf16"] = hf_static_compiled  # last: on a GPU its CUDA
-    # graphs share inductor's tree with our compiled rows, and a failure there can break later rows
+    rows["transformers static cache + torch.compile, bf16"] = hf_static_compiled  # last: a failure inside
+    # inductor's CUDA graphs can leave the GPU's state broken for the rows after it
     try:
         import llama_cpp  # noqa: F401 - optional: the speed CPU users know
 
@@ -296,8 +296,8 @@ def why(e: Exception) -> str:
     return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
 
-# llama.cpp runs in a process of its own: a crash in native code there (seen once: a segfault in
-# llama_decode with torch loaded beside it) must cost its row, not the whole run.
+# llama.cpp runs in a process of its own: a crash in native code there (seen: llama-cpp-python
+# built from source segfaulting in llama_decode on the bundled file) must cost its row, not the run.
 LLAMA_CPP_WORKER = """
 import json, sys, time
 from llama_cpp import Llama
