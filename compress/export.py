@@ -218,7 +218,7 @@ def export(model, tokenizer, out: str | Path, recipe_text: str, manifest: dict, 
             config["quantization_config"] = qconfig
         config.pop(lowrank.CONFIG_KEY, None)
         if ranks := lowrank.factored_ranks(model):
-            config[lowrank.CONFIG_KEY] = ranks  # our loader (and the README's recipe) rebuild these layers
+            config[lowrank.CONFIG_KEY] = ranks  # our loader (and docs/design.md's recipe) rebuild these layers
         config.pop(kvcache.CONFIG_KEY, None)
         if (kv := kvcache.scheme_of(model)) is not None:
             config[kvcache.CONFIG_KEY] = kvcache.config_entry(kv)  # our evaluator and decoder read it

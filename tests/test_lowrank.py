@@ -68,7 +68,7 @@ def test_factored_export_reloads_to_the_same_logits(method, tmp_path):
     out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
     assert "model.layers.0.mlp.down_proj" in json.loads((out / "config.json").read_text())[lowrank.CONFIG_KEY]
     assert torch.equal(_logits(models.load_model(out, torch.float32)), _logits(model))
-    assert torch.equal(_logits(_rebuild_as_readme(out)), _logits(model))
+    assert torch.equal(_logits(_rebuild_as_documented(out)), _logits(model))
 
 
 def test_merged_lowrank_exports_dense_weights(tmp_path):
@@ -81,8 +81,8 @@ def test_merged_lowrank_exports_dense_weights(tmp_path):
     assert torch.equal(_logits(reloaded), _logits(model))
 
 
-def _rebuild_as_readme(folder):
-    """The README's recipe for loading a factored export in plain transformers (keep the two in step)."""
+def _rebuild_as_documented(folder):
+    """docs/design.md's recipe for loading a factored export in plain transformers (keep the two in step)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -3,12 +3,12 @@
 GPTQ beats RTN; Wanda and SparseGPT beat magnitude pruning at 2:4, SparseGPT at least
 matches Wanda; at 80% of the parameters, SVD-LLM beats ASVD beats plain SVD; LoRC improves
 GPTQ W3. AWQ beats RTN on its own objective (each block's output error); its
-end-to-end claim needs the whole model and lives in the README table
+end-to-end claim needs the whole model and lives in the tables of docs/results.md
 (scripts/bench_recipes.py).
 
 Small budget (16 calibration samples × 256 tokens, 4 × 512 evaluation tokens, the first
 ten of the thirty blocks) so the suite stays fast; the full protocol lives in
-scripts/bench_recipes.py and the README tables.
+scripts/bench_recipes.py and docs/results.md.
 """
 
 import copy

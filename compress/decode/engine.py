@@ -172,6 +172,7 @@ class Engine:
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
         if self.graphs and self.device.type != "cuda":
             raise DecodeError("CUDA graphs need a CUDA device; run without graphs on the CPU")
+        self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None  # shared by its graphs
         self.max_len, self.length, self.k_cache, self.v_cache = 0, 0, [], []
         self._allocate(max_len)
         self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
@@ -296,7 +297,7 @@ class Engine:
                 logits = self._static_body(static_ids, static_positions)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool()):
+            with torch.cuda.graph(graph, pool=self.graph_pool):
                 out = self._static_body(static_ids, static_positions)
             self.captured[count] = (graph, static_ids, static_positions, out)
             return logits
@@ -305,11 +306,6 @@ class Engine:
         static_positions.copy_(positions)
         graph.replay()
         return out.clone()  # graphs share one memory pool: the next replay may overwrite ``out``
-
-    def _pool(self):
-        if not hasattr(self, "_graph_pool"):
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        return self._graph_pool
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.final_norm(x)).float()
