@@ -145,12 +145,13 @@ class Engine:
         head = [model.lm_head]
         self.formats, self.timings = kernels.choose(
             {name: [g[name] for g in groups] for name in groups[0]} | {"lm_head": [head]},
-            kernel, self.device, lossy={"lm_head": lm_head} if lm_head else {})
+            kernel, self.device, lossy={"lm_head": lm_head} if lm_head else {},
+            compiled=compile and self.device.type == "cpu")
         bf16_kernels = all(kernels.takes_bf16(fmt) for fmt in self.formats.values())
         self.dtype = dtype or (model.dtype if self.device.type != "cpu" else
                                torch.bfloat16 if bf16_kernels else torch.float32)
         self.final_norm = _norm(inner.norm, self.dtype, gemma)
-        self.lm_head = kernels.build(self.formats["lm_head"], head, self.device)
+        self.lm_head = kernels.build(self.formats["lm_head"], head, self.device, traceable=compile)
         self.layers = []
         for i, (layer, g) in enumerate(zip(inner.layers, groups)):
             a = layer.self_attn
@@ -158,7 +159,8 @@ class Engine:
             if config.model_type == "mistral":
                 window = getattr(config, "sliding_window", None)
             self.layers.append(Layer(
-                **{name: kernels.build(self.formats[name], lins, self.device) for name, lins in g.items()},
+                **{name: kernels.build(self.formats[name], lins, self.device, traceable=compile)
+                   for name, lins in g.items()},
                 attn_norm=_norm(layer.input_layernorm, self.dtype, gemma),
                 mlp_norm=_norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm,
                                self.dtype, gemma),
@@ -183,7 +185,7 @@ class Engine:
         elif compile:
             if not USER_INDUCTOR_CACHE:
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir() / "inductor")
-            self.compiled = torch.compile(self._body, fullgraph=True, dynamic=True)
+            self.compiled = _compiled(self)
 
     @property
     def layer_count(self) -> int:
@@ -239,7 +241,7 @@ class Engine:
         view.length, view.k_cache, view.v_cache, view.kv_scheme = 0, [], [], None  # a draft: full precision
         view._allocate(self.max_len)
         if self.compiled is not None:  # a graph of its own: the view runs other layers
-            view.compiled, view.compile_seconds = torch.compile(view._body, fullgraph=True, dynamic=True), 0.0
+            view.compiled, view.compile_seconds = _compiled(view), 0.0
         return view
 
     @torch.no_grad()
@@ -257,26 +259,26 @@ class Engine:
         positions = torch.arange(start, start + count, device=self.device)
         if self.graphs and count <= kernels.VERIFY_ROWS:
             logits = self._replay(ids, positions)
+        elif self.compiled is not None and count == 1:  # compiled: the one-token step, where overhead counts
+            logits = self._run_compiled(ids, positions, start + count)
         else:
-            x = self._run(ids, positions, start + count)
+            x = self._body(ids, positions, start + count)
             logits = self._logits(x if all_logits else x[-1:])
         self.length = start + count
         return logits if all_logits else logits[-1:]
 
-    def _run(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        if self.compiled is None or ids.numel() > 1:  # compiled: the one-token step, where overhead counts
-            return self._body(ids, positions, span)
+    def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         first, start = not self.compile_seconds, time.perf_counter()
         try:
-            x = self.compiled(ids, positions, span)
+            logits = self.compiled(ids, positions, span)
         except Exception as e:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower: run eager
             why = (str(e).splitlines() or [""])[0][:120]
             self.compiled, self.note = None, f"torch.compile failed ({type(e).__name__}: {why}); running eager"
             print(f"[decode engine: {self.note}]", file=sys.stderr)
-            return self._body(ids, positions, span)
+            return self._logits(self._body(ids, positions, span))
         if first:
             self.compile_seconds = time.perf_counter() - start
-        return x
+        return logits
 
     def _static_body(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of a step with fixed shapes: attention spans every cache slot, masked."""
@@ -386,6 +388,35 @@ class Engine:
         """Bytes one decoded token reads from weights (every linear once; the embedding row is noise)."""
         return self.lm_head.nbytes + sum(m.nbytes for layer in self.layers
                                          for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+
+
+class _Frozen(torch.nn.Module):
+    """An engine's one-token step as a module whose buffers are its linear weights: inductor
+    then freezes them (folds them in as constants, prepacks them for oneDNN) and fuses everything
+    between the matmuls into a few loops, so a token costs its matmuls, not ~40 ops a layer."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = engine  # a plain attribute: not a module, its tensors are found by identity
+        weights = [t for layer in engine.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                   for t in m.tensors()] + engine.lm_head.tensors()
+        for i, t in enumerate(weights):
+            self.register_buffer(f"weight{i}", t, persistent=False)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        return self.engine._logits(self.engine._body(ids, positions, span))
+
+
+def _compiled(engine: Engine):
+    compiled = torch.compile(_Frozen(engine), fullgraph=True, dynamic=True)
+
+    def step(ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        # freezing is read from the global config when a graph compiles (``options=`` does not reach it)
+        with torch._inductor.config.patch(freezing=True, cpp_wrapper=True, max_autotune=True,
+                                              max_autotune_gemm_backends="CPP,ATEN"):
+            return compiled(ids, positions, span)
+
+    return step
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

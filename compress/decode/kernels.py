@@ -21,10 +21,8 @@ export loaded by transformers holds its scale and the weight (as int8, or unpack
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import time
-import weakref
 from pathlib import Path
 
 import torch
@@ -167,25 +165,24 @@ class Matmul:
 
     def __init__(self, bias: torch.Tensor | None):
         self.bias = None if bias is None else bias.detach().to(self.device, self.dtype)
-        self.handle = next(_HANDLES)
-        _MATMULS[self.handle] = self
-
-    @property
-    def out_shape(self) -> torch.Tensor:
-        if not hasattr(self, "_out_shape"):
-            self._out_shape = torch.empty(self.out_features, dtype=torch.float32 if self.fmt == "w8a8" else self.dtype,
-                                          device=self.device)
-        return self._out_shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x_in = x.to(self.dtype)
         if torch.compiler.is_compiling():
-            y = _matmul_op(x_in, self.handle, self.out_shape)
+            y = self.traced(x_in)
         elif 1 < x_in.shape[0] <= VERIFY_ROWS:
             y = torch.cat([self.matmul(part) for part in x_in.split(self.exact_rows)])
         else:
             y = self.matmul(x_in)
         return (y if self.bias is None else y + self.bias).to(x.dtype)
+
+    def traced(self, x: torch.Tensor) -> torch.Tensor:
+        """The product as ``torch.compile`` sees it: ops it can trace (and, with frozen weights, prepack)."""
+        return self.matmul(x)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The weights ``traced`` reads, for the compiler to fold as constants."""
+        return [v for v in vars(self).values() if isinstance(v, torch.Tensor) and not v.is_mkldnn]
 
     @functools.cached_property
     def exact_rows(self) -> int:
@@ -206,24 +203,6 @@ class Matmul:
         return VERIFY_ROWS
 
 
-# Under torch.compile each matmul is one opaque call (the compiler cannot lower prepacked or
-# packed-integer weights), found by handle; everything between matmuls is compiled and fused.
-_MATMULS: weakref.WeakValueDictionary[int, Matmul] = weakref.WeakValueDictionary()
-_HANDLES = itertools.count()
-
-
-@torch.library.custom_op("compress::matmul", mutates_args=())
-def _matmul_op(x: torch.Tensor, handle: int, out_shape: torch.Tensor) -> torch.Tensor:
-    return _MATMULS[handle].matmul(x)
-
-
-@_matmul_op.register_fake
-def _(x: torch.Tensor, handle: int, out_shape: torch.Tensor) -> torch.Tensor:
-    """``out_shape``: an empty (out_features,) tensor of the output's dtype, so the compiler
-    knows the result without reading the handle (symbolic under dynamic shapes)."""
-    return x.new_empty((x.shape[0], out_shape.shape[0]), dtype=out_shape.dtype)
-
-
 class Dense(Matmul):
     """``F.linear`` in fp32 (MKL's GEMV for one row), or in the model's dtype on an accelerator."""
 
@@ -239,17 +218,25 @@ class Dense(Matmul):
 
 
 class OneDNN(Matmul):
-    """oneDNN's matmul over a weight reordered once into its blocked layout (fp32 or bf16)."""
+    """oneDNN's matmul over a weight reordered once into its blocked layout (fp32 or bf16).
+    ``traceable`` keeps the plain weight too: the compiler cannot read a reordered one, and
+    prepacks its own copy of the plain one (so a compiled engine holds these weights twice)."""
 
-    def __init__(self, weight: torch.Tensor, bias, dtype: torch.dtype):
+    def __init__(self, weight: torch.Tensor, bias, dtype: torch.dtype, traceable: bool = False):
         self.dtype, self.fmt = dtype, "fp32-onednn" if dtype == torch.float32 else "bf16"
         super().__init__(bias)
         w = weight.to(dtype).contiguous()
         self.packed, self.nbytes = torch.ops.mkldnn._reorder_linear_weight(w), w.nbytes
+        self.weight = w if traceable else None
         self.out_features, self.in_features = w.shape
 
     def matmul(self, x):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    def traced(self, x):
+        if self.weight is None:
+            raise RuntimeError("this oneDNN matmul was built without its plain weight (traceable=False)")
+        return F.linear(x, self.weight)
 
 
 class Int4(Matmul):
@@ -369,8 +356,9 @@ def _int4_fits(linears: list, device: torch.device) -> bool:
             and (device.type == "cpu" or linears[0].in_features % 32 == 0))
 
 
-def build(fmt: str, linears: list, device: torch.device) -> Matmul:
-    """One ``Matmul`` over ``linears`` fused by rows, in ``fmt``; lossy formats round first."""
+def build(fmt: str, linears: list, device: torch.device, traceable: bool = False) -> Matmul:
+    """One ``Matmul`` over ``linears`` fused by rows, in ``fmt``; lossy formats round first.
+    ``traceable``: for an engine that will be compiled (see ``OneDNN``)."""
     bias = _bias(linears)
     weight = lambda: _stacked(linears, lambda lin: lin.weight.detach())  # noqa: E731
     if fmt == "dense":
@@ -378,7 +366,7 @@ def build(fmt: str, linears: list, device: torch.device) -> Matmul:
     if fmt == "fp32":
         return Dense(weight(), bias)
     if fmt in ("fp32-onednn", "bf16"):
-        return OneDNN(weight(), bias, torch.float32 if fmt == "fp32-onednn" else torch.bfloat16)
+        return OneDNN(weight(), bias, torch.float32 if fmt == "fp32-onednn" else torch.bfloat16, traceable)
     if fmt == "w8a8":
         q, scale = zip(*(_w8a8_integers(lin) for lin in linears))
         return W8A8(torch.cat(q), torch.cat(scale), bias)
@@ -440,7 +428,8 @@ _TIMED: dict[tuple, dict[str, float]] = {}
 
 
 def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
-           lossy: dict[str, str] | None = None) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
+           lossy: dict[str, str] | None = None,
+           compiled: bool = False) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
     """The format of each linear group (name -> per-layer lists of linears), and what each
     timed candidate took for one token (ms over all layers).
 
@@ -448,7 +437,10 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
     ``dense`` keeps plain matmuls;
     a format name is used where it is exact, elsewhere bf16 (for a format that takes bf16
     rows, so the stream stays bf16) or fp32. ``lossy`` names a
-    format per group to use whatever the weights are.
+    format per group to use whatever the weights are. ``compiled`` (a CPU engine under
+    ``torch.compile``): the float formats all become the compiler's own GEMM, so ``auto``
+    offers only bf16 among them where it is exact (half the bytes of fp32; what eager
+    timings say of oneDNN and MKL does not carry over).
     """
     formats, timings = {}, {}
     for name, layers in groups.items():
@@ -457,7 +449,11 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
             continue
         exact = [f for f in exact_formats(layers[0], device)
                  if all(f in exact_formats(lins, device) for lins in layers[1:])] or ["fp32"]
-        if kernel == "auto" and len(exact) > 1:
+        if compiled and kernel == "auto" and "bf16" in exact:
+            exact = [f for f in exact if f not in ("fp32", "fp32-onednn")]
+        if kernel == "auto" and len(exact) == 1:
+            formats[name] = exact[0]
+        elif kernel == "auto":
             key = (str(device), name, len(layers), tuple((lin.out_features, lin.in_features) for lin in layers[0]),
                    tuple(exact))
             if key not in _TIMED:
