@@ -407,13 +407,21 @@ class _Frozen(torch.nn.Module):
         return self.engine._logits(self.engine._body(ids, positions, span))
 
 
+# Freezing folds the weights in as constants, which lets inductor prepack them and run its own
+# AMX/AVX-512 GEMM templates (chosen by timing: max-autotune) with the ops around them fused; a C++
+# wrapper calls the kernels without Python. Prepacked oneDNN constants cannot be pickled, so
+# inductor does not cache such a graph on disk: every process compiles again (about 75 s for
+# SmolLM2 on two cores). Without prepacking the graph is cached but no faster than eager.
+INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
+                    "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
 def _compiled(engine: Engine):
     compiled = torch.compile(_Frozen(engine), fullgraph=True, dynamic=True)
 
     def step(ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        # freezing is read from the global config when a graph compiles (``options=`` does not reach it)
-        with torch._inductor.config.patch(freezing=True, cpp_wrapper=True, max_autotune=True,
-                                              max_autotune_gemm_backends="CPP,ATEN"):
+        # read from the global config when a graph compiles (``options=`` does not reach freezing)
+        with torch._inductor.config.patch(INDUCTOR_OPTIONS):
             return compiled(ids, positions, span)
 
     return step
