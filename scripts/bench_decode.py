@@ -16,7 +16,8 @@ numerics at dense speed, not its memory), and llama.cpp on the bundled
 GGUF when llama-cpp-python is installed. Columns: tokens/s; × transformers' eager fp32 greedy;
 new tokens per target forward; outputs identical to transformers' bf16 greedy (the checkpoint's
 own precision; our bf16 engine is token-identical to it, so lossless rows on it match too); the
-first-run compile seconds (0 once the compiled code is cached on disk); weight bytes read per
+compile seconds of the first step (the engine's frozen graph is compiled again in every run);
+weight bytes read per
 token; and that traffic as a share of the machine's measured read bandwidth (printed in the
 header). On a GPU everything runs in bf16, the reference is transformers' eager bf16 greedy,
 our greedy runs eager and on CUDA graphs, and "= ours greedy" compares with the graph greedy
@@ -183,7 +184,8 @@ def main() -> None:
                    "draft": lambda p: ours(speculate(engine, p, n, draft(), 6, eos=eos)),
                    "lookup+draft": lambda p: ours(speculate(engine, p, n, LookupThenDraft(
                        PromptLookup(token_cost=cost), draft()), 8, eos=eos))}[method]
-            return run, engine.weight_bytes(), engine.compile_seconds or None
+            compiled = engine.compile_seconds or ("failed: ran eager" if kw.get("compile") and not cuda else None)
+            return run, engine.weight_bytes(), compiled
         return setup
 
     def hf_static_compiled():
@@ -277,17 +279,16 @@ def main() -> None:
                 forwards[name] += f or 0
             print(f"{set_name}: prompt {i}/{len(ps)} done", file=sys.stderr, flush=True)
         reference_rate = sum(map(len, outputs[reference_name])) / seconds[reference_name]
-        reference, ours_greedy = outputs["transformers eager greedy, bf16"], outputs[ours_name]
+        reference, ours_greedy = outputs.get("transformers eager greedy, bf16"), outputs.get(ours_name)
         for name, (_, bytes_per_token, compile_s) in built.items():
             tokens = sum(map(len, outputs[name]))
             rate = tokens / seconds[name]
-            same = sum(a == b for a, b in zip(outputs[name], reference))
-            same_ours = sum(a == b for a, b in zip(outputs[name], ours_greedy))
+            same, same_ours = (f"{sum(a == b for a, b in zip(outputs[name], ref))}/{len(ps)}" if ref else ""
+                               for ref in (reference, ours_greedy))  # empty where --only left the row out
             traffic = f"{bytes_per_token * rate / 1e9 / bandwidth:.0%}" if bandwidth and bytes_per_token else ""
             print("| " + " | ".join([set_name, name, f"{rate:.1f}", f"{rate / reference_rate:.2f}×",
-                                     f"{tokens / forwards[name]:.2f}" if forwards[name] else "", f"{same}/{len(ps)}",
-                                     f"{same_ours}/{len(ps)}",
-                                     f"{compile_s:.0f}" if compile_s else "",
+                                     f"{tokens / forwards[name]:.2f}" if forwards[name] else "", same, same_ours,
+                                     f"{compile_s:.0f}" if isinstance(compile_s, float) else compile_s or "",
                                      f"{bytes_per_token / 1e6:.0f}" if bytes_per_token else "", traffic]) + " |",
                   flush=True)
 

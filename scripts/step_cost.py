@@ -1,13 +1,15 @@
 """What one engine step of k tokens costs, and whether it rounds like k one-token steps.
 
     python scripts/step_cost.py [--model smollm2-135m] [--prompt-tokens 300] [--counts 1 2 4 8 16]
-        [--kernel auto] [--no-graphs] [--repeats 20]
+        [--kernel auto] [--no-graphs] [--repeats 20] [--compile]
 
 Speculation lives on two facts this prints per token count k, after a wikitext prompt: the
 median milliseconds of a k-token forward (a verify step; k = 1 is the plain step), and whether
 its logits equal, bitwise, those of k one-token forwards of the same tokens (lossless greedy
 speculation needs them equal: a near-tie decided differently changes the output). On a GPU the
 engine replays CUDA graphs unless ``--no-graphs``. One markdown row per k as soon as measured.
+``--compile`` then times the compiled one-token step (CPU) against the eager one and says how far
+its logits are from the eager step's over 64 greedy steps.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ def main() -> None:
     parser.add_argument("--kernel", default="auto")
     parser.add_argument("--no-graphs", action="store_true", help="on a GPU, run the steps without CUDA graphs")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--compile", action="store_true", help="also time the compiled one-token step")
     args = parser.parse_args()
 
     device = models.pick_device("auto")
@@ -74,6 +77,41 @@ def main() -> None:
         agrees = (together.argmax(-1) == one_by_one.argmax(-1)).sum().item()
         print(f"| {k} | {ms:.2f} | {ms / k:.2f} | {ratio} | {'yes' if torch.equal(together, one_by_one) else 'no'} | "
               f"{difference:.2e} | {agrees}/{k} |", flush=True)
+    if args.compile:
+        compare_compiled(engine, model, prompt, args)
+
+
+def _median_step_ms(engine, token: int, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        engine.forward([token])
+        times.append((time.perf_counter() - start) * 1e3)
+        engine.crop(1)
+    return statistics.median(times)
+
+
+def compare_compiled(eager: Engine, model, prompt: torch.Tensor, args) -> None:
+    """The compiled one-token step against the eager one: ms, and logits along eager's greedy path."""
+    compiled = Engine(model, kernel=args.kernel, compile=True)
+    for engine in (eager, compiled):
+        engine.reset()
+        logits = engine.forward(prompt, all_logits=False)
+    token = int(logits.argmax())
+    compiled.forward([token])  # compiles
+    compiled.crop(1)
+    eager_ms, compiled_ms = (_median_step_ms(e, token, args.repeats) for e in (eager, compiled))
+    differences, agree = [], 0
+    for _ in range(64):
+        expected, got = eager.forward([token]), compiled.forward([token])
+        differences.append((expected - got).abs().max().item())
+        agree += int(expected.argmax() == got.argmax())
+        token = int(expected.argmax())
+    print(f"\ncompiled engine: {compiled.describe()}; stream {str(compiled.dtype).removeprefix('torch.')}; "
+          f"compiled in {compiled.compile_seconds:.0f} s")
+    print(f"one-token step: compiled {compiled_ms:.2f} ms, eager {eager_ms:.2f} ms ({eager_ms / compiled_ms:.2f}×); "
+          f"over 64 greedy steps the logits differ by at most {max(differences):.2f} "
+          f"(median {statistics.median(differences):.2f}), argmax agrees {agree}/64", flush=True)
 
 
 if __name__ == "__main__":

@@ -270,7 +270,7 @@ class Engine:
     def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         first, start = not self.compile_seconds, time.perf_counter()
         try:
-            logits = self.compiled(ids, positions, span)
+            out = self.compiled(ids, positions, span)  # logits, or the last hidden state (see _lm_head_compiles)
         except Exception as e:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower: run eager
             why = (str(e).splitlines() or [""])[0][:120]
             self.compiled, self.note = None, f"torch.compile failed ({type(e).__name__}: {why}); running eager"
@@ -278,7 +278,7 @@ class Engine:
             return self._logits(self._body(ids, positions, span))
         if first:
             self.compile_seconds = time.perf_counter() - start
-        return logits
+        return out if _lm_head_compiles(self) else self._logits(out)
 
     def _static_body(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of a step with fixed shapes: attention spans every cache slot, masked."""
@@ -399,12 +399,13 @@ class _Frozen(torch.nn.Module):
         super().__init__()
         self.engine = engine  # a plain attribute: not a module, its tensors are found by identity
         weights = [t for layer in engine.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                   for t in m.tensors()] + engine.lm_head.tensors()
+                   for t in m.tensors()] + (engine.lm_head.tensors() if _lm_head_compiles(engine) else [])
         for i, t in enumerate(weights):
             self.register_buffer(f"weight{i}", t, persistent=False)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        return self.engine._logits(self.engine._body(ids, positions, span))
+        x = self.engine._body(ids, positions, span)
+        return self.engine._logits(x) if _lm_head_compiles(self.engine) else x
 
 
 # Freezing folds the weights in as constants, which lets inductor prepack them and run its own
@@ -414,6 +415,12 @@ class _Frozen(torch.nn.Module):
 # SmolLM2 on two cores). Without prepacking the graph is cached but no faster than eager.
 INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
                     "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+def _lm_head_compiles(engine: Engine) -> bool:
+    """A lossy int4 lm_head stays out of the graph: inductor (torch 2.13) emits code naming an
+    undefined size symbol for it under dynamic shapes, and the compile fails."""
+    return engine.formats["lm_head"] != "int4"
 
 
 def _compiled(engine: Engine):
