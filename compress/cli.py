@@ -306,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its weights exactly (fp32, bf16, int8 for per-channel W8, int4 for W4 exports; W8A8 exports "
                         "on torch._int_mm); dense: fp32 matmuls; a format: used wherever it is exact")
     p.add_argument("--compile", action="store_true",
-                   help="compile the engine's forward with torch.compile (first run: about a minute; cached)")
+                   help="compile the engine's one-token step with torch.compile (a minute or more, in "
+                        "every run: the graph holds the weights and is not cached)")
     common(p)
     p.set_defaults(func=_decode)
 

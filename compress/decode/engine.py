@@ -96,9 +96,10 @@ class Engine:
     ``max_len``: cache slots; the cache grows when a request needs more. ``dtype``: the
     residual stream's; by default bf16 on a CPU when every chosen kernel takes bf16 (then the
     engine computes what transformers computes in bf16), else fp32; the model's on a GPU.
-    ``compile``: run one-token steps through ``torch.compile`` (dynamic shapes, so one graph
-    serves every cache length; artifacts cached under ``$COMPRESS_CACHE/inductor``); eager if
-    it fails. Prompts and verify steps run eager.
+    ``compile``: run one-token steps, lm_head included, through ``torch.compile`` with the
+    weights frozen into the graph (``_Frozen``; dynamic shapes, so one graph serves every cache
+    length; compiled again in every process: see ``INDUCTOR_OPTIONS``); eager if it fails.
+    Prompts and verify steps run eager. On the CPU ``auto`` then keeps bf16 wherever exact.
 
     ``graphs`` (default: on a GPU): steps of up to ``kernels.VERIFY_ROWS`` tokens (one-token
     steps and speculative verify steps) replay a CUDA graph captured once per token count,
