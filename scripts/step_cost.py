@@ -62,15 +62,7 @@ def main() -> None:
         engine.crop(k)
         one_by_one = torch.cat([engine.forward([t]) for t in ids])
         engine.crop(k)
-        times = []
-        for _ in range(args.repeats):
-            sync(device)
-            start = time.perf_counter()
-            engine.forward(ids)
-            sync(device)
-            times.append((time.perf_counter() - start) * 1e3)
-            engine.crop(k)
-        ms = statistics.median(times)
+        ms = median_step_ms(engine, ids, args.repeats, device)
         one_token_ms = one_token_ms or (ms if k == 1 else None)
         ratio = f"{ms / one_token_ms:.2f}×" if one_token_ms else ""
         difference = (together - one_by_one).abs().max().item()
@@ -81,13 +73,16 @@ def main() -> None:
         compare_compiled(engine, model, prompt, args)
 
 
-def _median_step_ms(engine, token: int, repeats: int) -> float:
+def median_step_ms(engine: Engine, ids: list[int], repeats: int, device: torch.device) -> float:
+    """Median ms of a forward of ``ids``, each one rolled back."""
     times = []
     for _ in range(repeats):
+        sync(device)
         start = time.perf_counter()
-        engine.forward([token])
+        engine.forward(ids)
+        sync(device)
         times.append((time.perf_counter() - start) * 1e3)
-        engine.crop(1)
+        engine.crop(len(ids))
     return statistics.median(times)
 
 
@@ -100,7 +95,7 @@ def compare_compiled(eager: Engine, model, prompt: torch.Tensor, args) -> None:
     token = int(logits.argmax())
     compiled.forward([token])  # compiles
     compiled.crop(1)
-    eager_ms, compiled_ms = (_median_step_ms(e, token, args.repeats) for e in (eager, compiled))
+    eager_ms, compiled_ms = (median_step_ms(e, [token], args.repeats, eager.device) for e in (eager, compiled))
     differences, agree = [], 0
     for _ in range(64):
         expected, got = eager.forward([token]), compiled.forward([token])

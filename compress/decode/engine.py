@@ -271,7 +271,7 @@ class Engine:
     def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         first, start = not self.compile_seconds, time.perf_counter()
         try:
-            out = self.compiled(ids, positions, span)  # logits, or the last hidden state (see _lm_head_compiles)
+            logits = self.compiled(ids, positions, span)
         except Exception as e:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower: run eager
             why = (str(e).splitlines() or [""])[0][:120]
             self.compiled, self.note = None, f"torch.compile failed ({type(e).__name__}: {why}); running eager"
@@ -279,7 +279,7 @@ class Engine:
             return self._logits(self._body(ids, positions, span))
         if first:
             self.compile_seconds = time.perf_counter() - start
-        return out if _lm_head_compiles(self) else self._logits(out)
+        return logits
 
     def _static_body(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of a step with fixed shapes: attention spans every cache slot, masked."""
@@ -396,17 +396,18 @@ class _Frozen(torch.nn.Module):
     then freezes them (folds them in as constants, prepacks them for oneDNN) and fuses everything
     between the matmuls into a few loops, so a token costs its matmuls, not ~40 ops a layer."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, with_lm_head: bool):
         super().__init__()
         self.engine = engine  # a plain attribute: not a module, its tensors are found by identity
-        weights = [t for layer in engine.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                   for t in m.tensors()] + (engine.lm_head.tensors() if _lm_head_compiles(engine) else [])
-        for i, t in enumerate(weights):
+        self.with_lm_head = with_lm_head
+        matmuls = [m for layer in engine.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        matmuls += [engine.lm_head] if with_lm_head else []
+        for i, t in enumerate(t for m in matmuls for t in m.tensors()):
             self.register_buffer(f"weight{i}", t, persistent=False)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         x = self.engine._body(ids, positions, span)
-        return self.engine._logits(x) if _lm_head_compiles(self.engine) else x
+        return self.engine._logits(x) if self.with_lm_head else x
 
 
 # Freezing folds the weights in as constants, which lets inductor prepack them and run its own
@@ -418,19 +419,18 @@ INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
                     "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
-def _lm_head_compiles(engine: Engine) -> bool:
-    """A lossy int4 lm_head stays out of the graph: inductor (torch 2.13) emits code naming an
-    undefined size symbol for it under dynamic shapes, and the compile fails."""
-    return engine.formats["lm_head"] != "int4"
-
-
 def _compiled(engine: Engine):
-    compiled = torch.compile(_Frozen(engine), fullgraph=True, dynamic=True)
+    """The compiled one-token step: ids, positions, span -> logits."""
+    # A lossy int4 lm_head stays out of the graph: inductor (torch 2.13) emitted code naming an
+    # undefined size symbol for it under dynamic shapes, and the compile failed.
+    with_lm_head = engine.formats["lm_head"] != "int4"
+    compiled = torch.compile(_Frozen(engine, with_lm_head), fullgraph=True, dynamic=True)
 
     def step(ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         # read from the global config when a graph compiles (``options=`` does not reach freezing)
         with torch._inductor.config.patch(INDUCTOR_OPTIONS):
-            return compiled(ids, positions, span)
+            out = compiled(ids, positions, span)
+        return out if with_lm_head else engine._logits(out)
 
     return step
 
