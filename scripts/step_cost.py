@@ -8,8 +8,9 @@ median milliseconds of a k-token forward (a verify step; k = 1 is the plain step
 its logits equal, bitwise, those of k one-token forwards of the same tokens (lossless greedy
 speculation needs them equal: a near-tie decided differently changes the output). On a GPU the
 engine replays CUDA graphs unless ``--no-graphs``. One markdown row per k as soon as measured.
-``--compile`` then times the compiled one-token step (CPU) against the eager one and says how far
-its logits are from the eager step's over 64 greedy steps.
+``--compile`` then prints the same table for the compiled engine (CPU; its steps of up to
+``step_rows`` tokens run one graph), times its one-token step against the eager one, and says how
+far its logits are from the eager step's over 64 greedy steps.
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(f"engine: {engine.describe()}; stream {str(engine.dtype).removeprefix('torch.')}; "
           f"CUDA graphs {'on' if engine.graphs else 'off'}\n")
+    table(engine, prompt, following, args)
+    if args.compile:
+        compare_compiled(engine, model, prompt, following, args)
+
+
+def table(engine: Engine, prompt: torch.Tensor, following: list[int], args) -> None:
+    """One row per token count: ms of a k-token step, and whether it rounds as k one-token steps."""
     print("| tokens k | ms per step (median) | ms per token | × one-token step | logits = k one-token steps | "
           "max abs difference | argmax agrees |")
     print("|---|---|---|---|---|---|---|", flush=True)
@@ -62,15 +70,14 @@ def main() -> None:
         engine.crop(k)
         one_by_one = torch.cat([engine.forward([t]) for t in ids])
         engine.crop(k)
-        ms = median_step_ms(engine, ids, args.repeats, device)
+        ms = median_step_ms(engine, ids, args.repeats, engine.device)
         one_token_ms = one_token_ms or (ms if k == 1 else None)
         ratio = f"{ms / one_token_ms:.2f}×" if one_token_ms else ""
         difference = (together - one_by_one).abs().max().item()
         agrees = (together.argmax(-1) == one_by_one.argmax(-1)).sum().item()
-        print(f"| {k} | {ms:.2f} | {ms / k:.2f} | {ratio} | {'yes' if torch.equal(together, one_by_one) else 'no'} | "
-              f"{difference:.2e} | {agrees}/{k} |", flush=True)
-    if args.compile:
-        compare_compiled(engine, model, prompt, args)
+        where = " (eager: longer than the compiled step)" if engine.compiled is not None and k > engine.step_rows else ""
+        print(f"| {k}{where} | {ms:.2f} | {ms / k:.2f} | {ratio} | "
+              f"{'yes' if torch.equal(together, one_by_one) else 'no'} | {difference:.2e} | {agrees}/{k} |", flush=True)
 
 
 def median_step_ms(engine: Engine, ids: list[int], repeats: int, device: torch.device) -> float:
@@ -86,15 +93,19 @@ def median_step_ms(engine: Engine, ids: list[int], repeats: int, device: torch.d
     return statistics.median(times)
 
 
-def compare_compiled(eager: Engine, model, prompt: torch.Tensor, args) -> None:
-    """The compiled one-token step against the eager one: ms, and logits along eager's greedy path."""
+def compare_compiled(eager: Engine, model, prompt: torch.Tensor, following: list[int], args) -> None:
+    """The compiled steps' table, then the compiled one-token step against the eager one: ms, and
+    logits along eager's greedy path."""
     compiled = Engine(model, kernel=args.kernel, compile=True)
-    for engine in (eager, compiled):
-        engine.reset()
-        logits = engine.forward(prompt, all_logits=False)
-    token = int(logits.argmax())
-    compiled.forward([token])  # compiles
-    compiled.crop(1)
+    compiled.forward(prompt, all_logits=False)
+    compiled.forward(following[:1])  # compiles
+    print(f"\ncompiled engine: {compiled.describe()}; stream {str(compiled.dtype).removeprefix('torch.')}; "
+          f"{compiled.step_rows}-token steps; compiled in {compiled.compile_seconds:.0f} s\n")
+    table(compiled, prompt, following, args)
+    compiled.reset()
+    compiled.forward(prompt, all_logits=False)
+    eager.reset()
+    token = int(eager.forward(prompt, all_logits=False).argmax())
     eager_ms, compiled_ms = (median_step_ms(e, [token], args.repeats, eager.device) for e in (eager, compiled))
     differences, agree = [], 0
     for _ in range(64):
@@ -102,9 +113,7 @@ def compare_compiled(eager: Engine, model, prompt: torch.Tensor, args) -> None:
         differences.append((expected - got).abs().max().item())
         agree += int(expected.argmax() == got.argmax())
         token = int(expected.argmax())
-    print(f"\ncompiled engine: {compiled.describe()}; stream {str(compiled.dtype).removeprefix('torch.')}; "
-          f"compiled in {compiled.compile_seconds:.0f} s")
-    print(f"one-token step: compiled {compiled_ms:.2f} ms, eager {eager_ms:.2f} ms ({eager_ms / compiled_ms:.2f}×); "
+    print(f"\none-token step: compiled {compiled_ms:.2f} ms, eager {eager_ms:.2f} ms ({eager_ms / compiled_ms:.2f}×); "
           f"over 64 greedy steps the logits differ by at most {max(differences):.2f} "
           f"(median {statistics.median(differences):.2f}), argmax agrees {agree}/64", flush=True)
 

@@ -162,6 +162,28 @@ def test_compiled_step_computes_what_the_eager_step_computes(model_type):
     assert compiled.compile_seconds > 0
 
 
+def test_compiled_verify_steps_round_as_compiled_one_token_steps():
+    """In bf16, where summation order shows, a compiled k-token verify step equals k compiled
+    one-token steps bit for bit (at cache lengths on both sides of the span's alignment), so prompt
+    lookup on the compiled engine gives exactly the compiled engine's greedy tokens."""
+    model = tiny("llama", layers=2)
+    engine = Engine(model, kernel="bf16", compile=True, step_rows=4)
+    prompt = _prompt(56)
+    plain = greedy(engine, prompt, 24)
+    if engine.compiled is None:
+        pytest.skip(engine.note)
+    assert engine.step_tokens == 4
+    for length in (57, 58, 59, 60, 64):  # verify spans ending before and after 64 slots
+        engine.reset()
+        engine.forward(prompt[0, :length])
+        together = engine.forward([5, 17, 99, 3])
+        engine.crop(4)
+        assert torch.equal(together, torch.cat([engine.forward([t]) for t in [5, 17, 99, 3]])), length
+    result = speculate(engine, prompt, 24, PromptLookup(), k=8)  # k is capped at 3: the step takes 4 tokens
+    assert result.tokens == plain.tokens and result.accepted > 0
+    assert result.proposed <= 3 * (result.forwards - 1)
+
+
 def test_eager_fallback_when_compiling_fails(monkeypatch, capsys):
     model = tiny("llama")
     engine = Engine(model, kernel="fp32", compile=True)

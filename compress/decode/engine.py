@@ -38,6 +38,8 @@ from . import kernels
 from .loop import DecodeError, device_of
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+STEP_ROWS = 8  # tokens a compiled float step computes: one-token and verify steps alike (``_run_compiled``)
+SPAN_ALIGN = 64  # a compiled step attends over a multiple of this many cache slots (see ``_run_compiled``)
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -96,10 +98,14 @@ class Engine:
     ``max_len``: cache slots; the cache grows when a request needs more. ``dtype``: the
     residual stream's; by default bf16 on a CPU when every chosen kernel takes bf16 (then the
     engine computes what transformers computes in bf16), else fp32; the model's on a GPU.
-    ``compile``: run one-token steps, lm_head included, through ``torch.compile`` with the
-    weights frozen into the graph (``_Frozen``; dynamic shapes, so one graph serves every cache
-    length; compiled again in every process: see ``INDUCTOR_OPTIONS``); eager if it fails.
-    Prompts and verify steps run eager. On the CPU ``auto`` then keeps bf16 wherever exact.
+    ``compile``: run steps of up to ``step_rows`` tokens, lm_head included, through
+    ``torch.compile`` with the weights frozen into the graph (``_Frozen``; the cache length is
+    dynamic, so one graph serves every step; compiled again in every process: see
+    ``INDUCTOR_OPTIONS``); eager if it fails. One-token and verify steps run the same graph, so
+    speculation on it reproduces its greedy exactly. ``step_rows`` (default: 8 where every kernel
+    is a float GEMM, whose extra rows ride along with the weight reads; 1 over integer kernels,
+    whose cost grows with the rows, and then speculation on it has no room and is plain greedy).
+    Prompts and longer steps run eager. On the CPU ``auto`` then keeps bf16 wherever exact.
 
     ``graphs`` (default: on a GPU): steps of up to ``kernels.VERIFY_ROWS`` tokens (one-token
     steps and speculative verify steps) replay a CUDA graph captured once per token count,
@@ -119,7 +125,7 @@ class Engine:
 
     def __init__(self, model, kernel: str = "auto", max_len: int = 1024, quantize: str | None = None,
                  lm_head: str | None = None, dtype: torch.dtype | None = None, compile: bool = False,
-                 kivi: bool = True, graphs: bool | None = None):
+                 kivi: bool = True, graphs: bool | None = None, step_rows: int | None = None):
         config = model.config
         if config.model_type not in SUPPORTED:
             raise DecodeError(f"the decode engine supports {', '.join(SUPPORTED)} models, not {config.model_type}")
@@ -180,6 +186,11 @@ class Engine:
         self._allocate(max_len)
         self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
         self.compiled, self.compile_seconds, self.note = None, 0.0, ""
+        if step_rows is None:  # extra rows ride along with a float GEMM's weight reads, not an integer kernel's
+            step_rows = STEP_ROWS if all(f in kernels.FLOAT_FORMATS for f in self.formats.values()) else 1
+        if not 1 <= step_rows <= kernels.VERIFY_ROWS:
+            raise DecodeError(f"step_rows={step_rows}: give 1 to {kernels.VERIFY_ROWS}")
+        self.step_rows = step_rows
         if compile and self.graphs:  # see docs/results.md: both ways failed on an H100
             self.note = "torch.compile is not combined with CUDA graphs yet; the graphs run uncompiled"
             print(f"[decode engine: {self.note}]", file=sys.stderr)
@@ -191,6 +202,11 @@ class Engine:
     @property
     def layer_count(self) -> int:
         return len(self.layers)
+
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one step computes exactly as one-token steps do (a verify step's limit)."""
+        return self.step_rows if self.compiled is not None else kernels.VERIFY_ROWS
 
     def _allocate(self, max_len: int) -> None:
         """Cache slots and rotary tables for ``max_len`` positions (kept entries are copied over)."""
@@ -260,26 +276,40 @@ class Engine:
         positions = torch.arange(start, start + count, device=self.device)
         if self.graphs and count <= kernels.VERIFY_ROWS:
             logits = self._replay(ids, positions)
-        elif self.compiled is not None and count == 1:  # compiled: the one-token step, where overhead counts
-            logits = self._run_compiled(ids, positions, start + count)
+        elif self.compiled is not None and count <= self.step_rows and start + SPAN_ALIGN + self.step_rows <= self.context:
+            logits = self._run_compiled(ids, start)
         else:
             x = self._body(ids, positions, start + count)
             logits = self._logits(x if all_logits else x[-1:])
         self.length = start + count
         return logits if all_logits else logits[-1:]
 
-    def _run_compiled(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        first, start = not self.compile_seconds, time.perf_counter()
+    def _run_compiled(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """A step of up to ``step_rows`` tokens through the one compiled graph.
+
+        Lossless speculation needs a token's logits in a verify step to equal, bit for bit, its
+        logits in a one-token step, so both run the same code: the tokens are padded to
+        ``step_rows`` rows (copies of the last one, written to cache slots past the real ones,
+        which no real row attends to and a later step overwrites), and attention spans a multiple
+        of ``SPAN_ALIGN`` slots (the compiled softmax sums a span's last partial block of 16 in
+        another order; the masked slots past a token add exact zeros)."""
+        count, rows = ids.numel(), self.step_rows
+        span = -(-(start + rows) // SPAN_ALIGN) * SPAN_ALIGN
+        if span > self.max_len:
+            self._allocate(max(2 * self.max_len, span))
+        padded = torch.cat([ids, ids[-1:].expand(rows - count)])
+        positions = torch.arange(start, start + rows, device=self.device)
+        first, clock = not self.compile_seconds, time.perf_counter()
         try:
-            logits = self.compiled(ids, positions, span)
+            logits = self.compiled(padded, positions, span)
         except Exception as e:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower: run eager
             why = (str(e).splitlines() or [""])[0][:120]
             self.compiled, self.note = None, f"torch.compile failed ({type(e).__name__}: {why}); running eager"
             print(f"[decode engine: {self.note}]", file=sys.stderr)
-            return self._logits(self._body(ids, positions, span))
+            return self._logits(self._body(ids, positions[:count], start + count))
         if first:
-            self.compile_seconds = time.perf_counter() - start
-        return logits
+            self.compile_seconds = time.perf_counter() - clock
+        return logits[:count]
 
     def _static_body(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of a step with fixed shapes: attention spans every cache slot, masked."""
@@ -326,7 +356,8 @@ class Engine:
 
     def _body(self, ids: torch.Tensor, positions: torch.Tensor, span: int, static: bool = False) -> torch.Tensor:
         """The decoder blocks over new tokens at ``positions``, attending to cache slots ``[0, span)``;
-        ``static``: no value is read back to the host (fixed shapes, for a CUDA graph)."""
+        ``static``: every token under a mask (the span may run past the tokens), and no value read
+        back to the host (fixed shapes, for a CUDA graph or a compiled step)."""
         x = F.embedding(ids, self.embed).to(self.dtype)
         if self.embed_scale != 1.0:
             x = x * torch.tensor(self.embed_scale, dtype=self.embed.dtype).to(self.dtype)
@@ -358,7 +389,7 @@ class Engine:
         longer masked span rounds differently (in bf16, enough to flip a near-tie), and lossless
         speculation must give the tokens plain greedy gives. Longer inputs (prompts) are one call.
         ``positions`` None: fixed shapes, every row over the whole span under its mask row."""
-        if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS:
+        if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS or torch.compiler.is_compiling():
             return self._sdpa(q, k, v, mask)
         if positions is None:
             return torch.cat([self._sdpa(q[:, i : i + 1], k, v, mask[i : i + 1]) for i in range(q.shape[1])], 1)
@@ -406,7 +437,7 @@ class _Frozen(torch.nn.Module):
             self.register_buffer(f"weight{i}", t, persistent=False)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        x = self.engine._body(ids, positions, span)
+        x = self.engine._body(ids, positions, span, static=True)  # masked: the span runs past the tokens
         return self.engine._logits(x) if self.with_lm_head else x
 
 
@@ -428,6 +459,8 @@ def _compiled(engine: Engine):
 
     def step(ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         # read from the global config when a graph compiles (``options=`` does not reach freezing)
+        torch._dynamo.mark_static(ids, 0)  # the rows are fixed (``step_rows``); the span grows
+        torch._dynamo.mark_static(positions, 0)
         with torch._inductor.config.patch(INDUCTOR_OPTIONS):
             out = compiled(ids, positions, span)
         return out if with_lm_head else engine._logits(out)

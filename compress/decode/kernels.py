@@ -154,6 +154,7 @@ def attach_from_export(model: nn.Module, folder: str | Path) -> int:
 # one is asked for (a W4 draft, a quantized lm_head).
 
 FORMATS = ("fp32", "fp32-onednn", "bf16", "int8", "int4", "w8a8")
+FLOAT_FORMATS = ("fp32", "fp32-onednn", "bf16")  # GEMMs: a few more rows cost little (integer kernels: per row)
 VERIFY_ROWS = 16  # inputs up to this many rows are speculative verify steps (longer ones: prompts)
 
 

@@ -158,6 +158,7 @@ def speculate(model, prompt: torch.Tensor, max_new_tokens: int, proposer, k: int
               sampling: Sampling = Sampling(), eos: set[int] = frozenset(), cache=None) -> DecodeResult:
     """Propose up to ``k`` tokens, verify them in one target forward, keep what the target accepts."""
     runner, start = runner_for(model, cache), time.perf_counter()
+    k = min(k, getattr(runner, "step_tokens", k + 1) - 1)  # a compiled engine's verify step has fixed rows
     generator = torch.Generator().manual_seed(sampling.seed)
     context = prompt.reshape(-1).tolist()
     logits = runner.forward(prompt, all_logits=False)[-1:]
