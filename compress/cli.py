@@ -150,7 +150,7 @@ def _decode(args) -> None:
             proposer = decode.DraftModel(decode.layer_subset(target, _draft_layers(args, target, tokenizer, device)),
                                          args.threshold, sampling)
         else:
-            cost = decode.default_token_cost(device) if args.token_cost == "auto" else args.token_cost
+            cost = decode.default_token_cost(target) if args.token_cost == "auto" else args.token_cost
             store = Datastore.load(args.datastore, tokenizer_fingerprint(tokenizer)) if args.datastore else None
             proposer = decode.PromptLookup(token_cost=cost, store=store)
             proposer = decode.LookupThenDraft(proposer, draft) if draft else proposer
@@ -290,7 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=float, default=0.4, help="draft model: stop drafting below this probability")
     p.add_argument("--token-cost", type=_auto_or_number, default="auto",
                    help="prompt-lookup: what one more token costs in a target forward, as a share of a one-token "
-                        "forward; fewer candidates are sent the dearer they are (auto: 0.05 on a CPU, 0 on a GPU; "
+                        "forward; fewer candidates are sent the dearer they are (auto: 0.05 on a CPU, 0 on a GPU or "
+                        "with --compile; "
                         "0 sends every match in full)")
     p.add_argument("--datastore", metavar="FILE.json",
                    help="prompt-lookup: also copy from the model's outputs on earlier requests kept in this file "
@@ -306,8 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "its weights exactly (fp32, bf16, int8 for per-channel W8, int4 for W4 exports; W8A8 exports "
                         "on torch._int_mm); dense: fp32 matmuls; a format: used wherever it is exact")
     p.add_argument("--compile", action="store_true",
-                   help="compile the engine's one-token step with torch.compile (a minute or more, in "
-                        "every run: the graph holds the weights and is not cached)")
+                   help="compile the engine's steps (one token, and verify steps of up to 8) with torch.compile "
+                        "(a minute or more, in every run: the graph holds the weights and is not cached)")
     common(p)
     p.set_defaults(func=_decode)
 

@@ -184,7 +184,7 @@ def main() -> None:
                     greedy(engines[key], sets_[next(iter(sets_))][0], 4)  # the first call compiles
             engine = engines[key]
             print(f"  [{engine.describe()}; {engine.step_tokens}-token verify steps]", file=sys.stderr, flush=True)
-            cost = default_token_cost(device)
+            cost = default_token_cost(engine)
             w4_draft = Engine(model, quantize="w4", max_len=1024) if "draft" in method else None
             draft = lambda: DraftModel(w4_draft, 0.4)  # noqa: E731
             run = {"greedy": lambda p: ours(greedy(engine, p, n, eos)),

@@ -121,7 +121,7 @@ def main() -> None:
     greedy(model, sets["open"][0][:, :32], 8)  # warm-up
     cost_ms = forward_ms(model, sets["grounded"][0])
     price = functools.partial(interpolate, cost_ms)
-    cost = default_token_cost(device)
+    cost = default_token_cost(model)
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")
     print("target forward, ms by width after a grounded prompt: "
