@@ -276,8 +276,8 @@ class Engine:
         positions = torch.arange(start, start + count, device=self.device)
         if self.graphs and count <= kernels.VERIFY_ROWS:
             logits = self._replay(ids, positions)
-        elif self.compiled is not None and count <= self.step_rows and start + SPAN_ALIGN + self.step_rows <= self.context:
-            logits = self._run_compiled(ids, start)
+        elif self.compiled is not None and count <= self.step_rows and start + self.step_rows + SPAN_ALIGN <= self.context:
+            logits = self._run_compiled(ids, start)  # (near the end of the context: eager, below)
         else:
             x = self._body(ids, positions, start + count)
             logits = self._logits(x if all_logits else x[-1:])
@@ -388,7 +388,8 @@ class Engine:
         attends row by row, each over exactly its own prefix, as a one-token step does: SDPA over a
         longer masked span rounds differently (in bf16, enough to flip a near-tie), and lossless
         speculation must give the tokens plain greedy gives. Longer inputs (prompts) are one call.
-        ``positions`` None: fixed shapes, every row over the whole span under its mask row."""
+        ``positions`` None: fixed shapes, every row over the whole span under its mask row. Compiled:
+        one masked call (the compiled step gets its exactness from ``_run_compiled``)."""
         if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS or torch.compiler.is_compiling():
             return self._sdpa(q, k, v, mask)
         if positions is None:
