@@ -110,7 +110,7 @@ def _decode(args) -> None:
               f"{built.weight_bytes() / 1e6:.0f} MB of weights per token]", file=sys.stderr)
         return built
 
-    on_engine = args.method in ("greedy", "prompt-lookup", "draft", "self-spec")  # KIVI caches too
+    on_engine = args.method in ("greedy", "prompt-lookup", "draft", "self-spec", "early-exit")  # KIVI caches too
     target = engine(model) if on_engine else model
     if not on_engine and device.type == "cpu" and args.kernel != "dense":
         kernels.use_onednn(model)  # multi-token forwards (lookahead's) on prepacked oneDNN weights
@@ -121,7 +121,7 @@ def _decode(args) -> None:
     elif args.method == "early-exit":
         if not sampling.greedy or cache is not None:
             raise decode.DecodeError("--method early-exit is greedy with a full-precision cache; drop --temperature")
-        result = _early_exit(args, model, tokenizer, prompt, eos)
+        result = _early_exit(args, model, target, tokenizer, prompt, eos)
     elif args.method == "lookahead":
         from .decode.lookahead import lookahead
 
@@ -159,7 +159,8 @@ def _decode(args) -> None:
             store.add(result.tokens)
             store.save(args.datastore)
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
-    where = "engine" + (", compiled" if args.compile else "") if on_engine else "transformers' forward"
+    where = "engine" + (", compiled" if getattr(target, "compile_seconds", 0) else "") if on_engine \
+        else "transformers' forward"
     print(f"\n[{args.method}: {len(result.tokens)} tokens in {result.seconds:.2f} s, "
           f"{len(result.tokens) / result.seconds:.1f} tokens/s, {result.tokens_per_forward:.2f} tokens per "
           f"target forward, on {device}, {where}]", file=sys.stderr)
@@ -189,8 +190,9 @@ def _draft_layers(args, model, tokenizer, device) -> list[int]:
     return keep
 
 
-def _early_exit(args, model, tokenizer, prompt, eos):
-    """Lossy: the threshold is calibrated (``auto``) for 90% top-1 agreement on calibration text."""
+def _early_exit(args, model, target, tokenizer, prompt, eos):
+    """Lossy: the threshold is calibrated (``auto``) on ``model`` for 90% top-1 agreement on
+    calibration text; ``target`` (the engine over its weights) decodes, eager (exits are per token)."""
     from .decode import early_exit
     from .arch import decoder_layers
     from .data import calibration_batches
@@ -204,7 +206,7 @@ def _early_exit(args, model, tokenizer, prompt, eos):
         print(f"[early exit: {args.exit_measure} threshold {threshold:.3f} at layers {exits} keeps "
               f"{found['agreement']:.1%} top-1 agreement on calibration text, {found['mean_layers']:.1f} layers per "
               "token on average]", file=sys.stderr)
-    result = early_exit.early_exit_greedy(model, prompt, args.max_new_tokens, threshold, exits, args.exit_measure, eos)
+    result = early_exit.early_exit_greedy(target, prompt, args.max_new_tokens, threshold, exits, args.exit_measure, eos)
     print(f"[early exit: {result.extra['mean_layers']:.1f} layers per token]", file=sys.stderr)
     return result
 

@@ -34,6 +34,21 @@ def test_exits_skip_layers_and_leave_every_layer_of_the_cache_filled(model_type)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_early_exit_on_the_engine_decodes_as_on_transformers_forward(model_type):
+    """The engine's early exit (skipped layers write only their keys and values) gives the tokens
+    of the transformers path, exiting or not."""
+    from compress.decode.engine import Engine
+
+    model = tiny(model_type, layers=4)
+    engine = Engine(model, kernel="fp32")
+    for threshold, layers in ((2.0, 4), (-1.0, 2)):  # never exit; always after layer 1
+        on_engine = early_exit_greedy(engine, PROMPT, 16, threshold=threshold, exits=[1])
+        assert on_engine.tokens == early_exit_greedy(model, PROMPT, 16, threshold=threshold, exits=[1]).tokens
+        assert on_engine.extra["mean_layers"] == layers
+    assert early_exit_greedy(engine, PROMPT, 16, threshold=2.0, exits=[1]).tokens == greedy(model, PROMPT, 16).tokens
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_calibrated_threshold_keeps_the_agreement_it_promises(model_type):
     model = tiny(model_type, layers=4)
     ids = torch.randint(0, 128, (2, 64), generator=torch.Generator().manual_seed(1))

@@ -5,7 +5,8 @@ the final norm + lm_head applied to the hidden state) or ``saturation`` (cosine 
 the hidden state before and after the layer, which needs no lm_head). Once it reaches the
 threshold the token is emitted from that layer. Later tokens still attend to every layer:
 each skipped layer runs its attention on the exit state (CALM's state propagation), which
-writes that layer's K/V to the cache; only its MLP is skipped. ``calibrate`` picks the
+writes that layer's K/V to the cache; only its MLP is skipped (on the decode engine a skipped
+layer computes only its keys and values: the attention's output is unused). ``calibrate`` picks the
 threshold that keeps top-1 agreement with the full model above a target on calibration text.
 
 Llama-style blocks (llama, qwen2/3, mistral) and Gemma-3 (rotary tables per layer type; its
@@ -49,9 +50,9 @@ def _rotary(inner, hidden: torch.Tensor, position: torch.Tensor) -> list:
     return [inner.rotary_emb(hidden, position_ids=position)] * len(inner.layers)
 
 
-def _confidence(model, before: torch.Tensor, after: torch.Tensor, measure: Measure) -> torch.Tensor:
+def _confidence(to_logits, before: torch.Tensor, after: torch.Tensor, measure: Measure) -> torch.Tensor:
     if measure == "softmax":
-        return torch.softmax(_logits(model, after), -1).amax(-1)
+        return torch.softmax(to_logits(after), -1).amax(-1)
     return F.cosine_similarity(before.float(), after.float(), dim=-1)
 
 
@@ -65,39 +66,66 @@ def early_exit_greedy(model, prompt: torch.Tensor, max_new_tokens: int, threshol
                       measure: Measure = "softmax", eos: set[int] = frozenset(), cache=None) -> DecodeResult:
     """Greedy decoding that leaves a token's forward at the first exit layer where it is confident.
 
-    ``extra["mean_layers"]``: layers run in full per generated token, on average.
+    ``model``: a transformers model, or an ``Engine`` (our forward: a skipped layer computes
+    only its keys and values). ``extra["mean_layers"]``: layers run in full per generated token,
+    on average.
     """
-    _check(model)
-    device, start = device_of(model), time.perf_counter()
-    inner, layers = model.model, model.model.layers
-    exits = {i for i in exits if 0 <= i < len(layers) - 1}
-    cache = cache if cache is not None else DynamicCache(config=model.config)
-    logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+    on_engine = hasattr(model, "crop") and hasattr(model, "exited")
+    if not on_engine:
+        _check(model)
+    elif cache is not None:
+        raise DecodeError("the engine keeps its own cache: pass no cache with an engine")
+    start = time.perf_counter()
+    count = model.layer_count if on_engine else len(model.model.layers)
+    exits = {i for i in exits if 0 <= i < count - 1}
+    if on_engine:
+        model.reset()
+        logits = model.forward(prompt, all_logits=False)[-1]
+
+        def confident(i, before, after):
+            return i in exits and _confidence(model.logits, before, after, measure).item() >= threshold
+
+        def step(token):
+            out = model.forward([token], exit_when=confident)[-1]
+            return out, count if model.exited is None else model.exited + 1
+    else:
+        cache = cache if cache is not None else DynamicCache(config=model.config)
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True,
+                       logits_to_keep=1).logits[0, -1].float()
+
+        def step(token):
+            return _transformers_step(model, cache, token, exits, threshold, measure)
     tokens, depths = [], []
     while True:
         token = int(logits.argmax())
         tokens.append(token)
         if token in eos or len(tokens) >= max_new_tokens:
             break
-        position = torch.tensor([[cache.get_seq_length()]], device=device)
-        hidden = inner.embed_tokens(torch.tensor([[token]], device=device))
-        rotary = _rotary(inner, hidden, position)
-        exited = None
-        for i, layer in enumerate(layers):
-            kw = dict(attention_mask=None, position_ids=position, past_key_values=cache, use_cache=True,
-                      position_embeddings=rotary[i])
-            if exited is not None:  # only the attention, on the exit state: the cache stays complete
-                layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kw)
-                continue
-            before, hidden = hidden, layer(hidden, **kw)
-            if i in exits and _confidence(model, before, hidden, measure).item() >= threshold:
-                exited = i
-        logits = _logits(model, hidden)[0, -1]
-        depths.append(len(layers) if exited is None else exited + 1)
-    sync(device)
+        logits, depth = step(token)
+        depths.append(depth)
+    sync(model.device)
     result = DecodeResult(tokens, len(tokens), time.perf_counter() - start)
     result.extra["mean_layers"] = sum(depths) / max(1, len(depths))
     return result
+
+
+def _transformers_step(model, cache, token: int, exits: set[int], threshold: float, measure: Measure):
+    """One token through transformers' layers with early exit: (logits, layers run in full)."""
+    device, inner, layers = device_of(model), model.model, model.model.layers
+    position = torch.tensor([[cache.get_seq_length()]], device=device)
+    hidden = inner.embed_tokens(torch.tensor([[token]], device=device))
+    rotary = _rotary(inner, hidden, position)
+    exited = None
+    for i, layer in enumerate(layers):
+        kw = dict(attention_mask=None, position_ids=position, past_key_values=cache, use_cache=True,
+                  position_embeddings=rotary[i])
+        if exited is not None:  # only the attention, on the exit state: the cache stays complete
+            layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kw)
+            continue
+        before, hidden = hidden, layer(hidden, **kw)
+        if i in exits and _confidence(lambda h: _logits(model, h), before, hidden, measure).item() >= threshold:
+            exited = i
+    return _logits(model, hidden)[0, -1], len(layers) if exited is None else exited + 1
 
 
 @torch.no_grad()
@@ -115,7 +143,7 @@ def calibrate(model, ids: torch.Tensor, exits: list[int], measure: Measure = "so
     final = out.logits.argmax(-1)
     states, count = out.hidden_states, len(model.model.layers)  # states[i + 1] leaves layer i
     exits = sorted(i for i in exits if 0 <= i < count - 1)
-    conf = torch.stack([_confidence(model, states[i], states[i + 1], measure) for i in exits])
+    conf = torch.stack([_confidence(lambda h: _logits(model, h), states[i], states[i + 1], measure) for i in exits])
     agree = torch.stack([_logits(model, states[i + 1]).argmax(-1) == final for i in exits])
     best = {"threshold": float("inf"), "agreement": 1.0, "mean_layers": float(count)}
     grid = torch.linspace(0.5, 1.0, 51).tolist() if measure == "softmax" else torch.linspace(0.9, 1.0, 101).tolist()

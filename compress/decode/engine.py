@@ -185,7 +185,7 @@ class Engine:
         self.max_len, self.length, self.k_cache, self.v_cache = 0, 0, [], []
         self._allocate(max_len)
         self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
-        self.compiled, self.compile_seconds, self.note = None, 0.0, ""
+        self.compiled, self.compile_seconds, self.note, self.exited = None, 0.0, "", None
         if step_rows is None:  # extra rows ride along with a float GEMM's weight reads, not an integer kernel's
             step_rows = STEP_ROWS if all(f in kernels.FLOAT_FORMATS for f in self.formats.values()) else 1
         if not 1 <= step_rows <= kernels.VERIFY_ROWS:
@@ -262,8 +262,13 @@ class Engine:
         return view
 
     @torch.no_grad()
-    def forward(self, ids: list[int] | torch.Tensor, all_logits: bool = True) -> torch.Tensor:
-        """Float32 logits of ``ids`` appended to the cache: (len(ids), vocab), or (1, vocab)."""
+    def forward(self, ids: list[int] | torch.Tensor, all_logits: bool = True, exit_when=None) -> torch.Tensor:
+        """Float32 logits of ``ids`` appended to the cache: (len(ids), vocab), or (1, vocab).
+
+        ``exit_when(layer index, state entering the layer, state leaving it) -> bool``: early exit for
+        one token (eager). Once it answers yes, the logits come from that state, and every later
+        layer only writes its keys and values computed from it (CALM's state propagation), so
+        later tokens find a complete cache; ``exited`` then holds the layer (None: no exit)."""
         ids = torch.as_tensor(ids, device=self.device).reshape(-1)
         if self.kv_scheme is not None:
             self._flush_kv()  # lazily, so a rolled-back candidate is never quantized
@@ -274,13 +279,17 @@ class Engine:
         if start + count > self.max_len:
             self._allocate(max(2 * self.max_len, start + count))
         positions = torch.arange(start, start + count, device=self.device)
-        if self.graphs and count <= kernels.VERIFY_ROWS:
+        if exit_when is not None:
+            if count != 1:
+                raise DecodeError("early exit decides per token: give one token")
+            logits = self.logits(self._body(ids, positions, start + 1, exit_when=exit_when))
+        elif self.graphs and count <= kernels.VERIFY_ROWS:
             logits = self._replay(ids, positions)
         elif self.compiled is not None and count <= self.step_rows and start + self.step_rows + SPAN_ALIGN <= self.context:
             logits = self._run_compiled(ids, start)  # (near the end of the context: eager, below)
         else:
             x = self._body(ids, positions, start + count)
-            logits = self._logits(x if all_logits else x[-1:])
+            logits = self.logits(x if all_logits else x[-1:])
         self.length = start + count
         return logits if all_logits else logits[-1:]
 
@@ -306,14 +315,14 @@ class Engine:
             why = (str(e).splitlines() or [""])[0][:120]
             self.compiled, self.note = None, f"torch.compile failed ({type(e).__name__}: {why}); running eager"
             print(f"[decode engine: {self.note}]", file=sys.stderr)
-            return self._logits(self._body(ids, positions[:count], start + count))
+            return self.logits(self._body(ids, positions[:count], start + count))
         if first:
             self.compile_seconds = time.perf_counter() - clock
         return logits[:count]
 
     def _static_body(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of a step with fixed shapes: attention spans every cache slot, masked."""
-        return self._logits(self._body(ids, positions, self.max_len, static=True))
+        return self.logits(self._body(ids, positions, self.max_len, static=True))
 
     def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A step of ``len(ids)`` tokens through its CUDA graph, captured on the first such step.
@@ -340,7 +349,8 @@ class Engine:
         graph.replay()
         return out.clone()  # graphs share one memory pool: the next replay may overwrite ``out``
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of residual states ``x`` (final norm, lm_head, soft-capping)."""
         logits = self.lm_head(self.final_norm(x)).float()
         cap = self.softcap_logits
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -354,17 +364,20 @@ class Engine:
             masks[window] = causal & (positions[:, None] - slots[None, :] < window)
         return masks
 
-    def _body(self, ids: torch.Tensor, positions: torch.Tensor, span: int, static: bool = False) -> torch.Tensor:
+    def _body(self, ids: torch.Tensor, positions: torch.Tensor, span: int, static: bool = False,
+              exit_when=None) -> torch.Tensor:
         """The decoder blocks over new tokens at ``positions``, attending to cache slots ``[0, span)``;
         ``static``: every token under a mask (the span may run past the tokens), and no value read
-        back to the host (fixed shapes, for a CUDA graph or a compiled step)."""
+        back to the host (fixed shapes, for a CUDA graph or a compiled step). ``exit_when``: see
+        ``forward``."""
         x = F.embedding(ids, self.embed).to(self.dtype)
         if self.embed_scale != 1.0:
             x = x * torch.tensor(self.embed_scale, dtype=self.embed.dtype).to(self.dtype)
         count, masks = ids.numel(), self._masks(positions, span, static)
         rotary = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in self.rotary.items()}
-        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
-            h = layer.attn_norm(x)
+        exited = None
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
+            before, h = x, layer.attn_norm(x)
             q, k, v = layer.qkv(h).split([self.q_size, self.kv_size, self.kv_size], -1)
             q = q.view(count, self.heads, self.head_dim).transpose(0, 1)
             k = k.view(count, self.kv_heads, self.head_dim).transpose(0, 1)
@@ -374,6 +387,8 @@ class Engine:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             k_cache[0, :, positions] = k
             v_cache[0, :, positions] = v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)
+            if exited is not None:  # after an early exit a layer only writes its keys and values
+                continue
             attn = self._attention(q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window], layer.window,
                                    None if static else positions)
             h = layer.o(attn.transpose(0, 1).reshape(count, self.q_size))
@@ -381,6 +396,10 @@ class Engine:
             gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, -1)
             h = layer.down(self.act(gate) * up)
             x = x + (layer.post_mlp_norm(h) if layer.post_mlp_norm is not None else h)
+            if exit_when is not None and exit_when(i, before, x):
+                exited = i
+        if exit_when is not None:
+            self.exited = exited
         return x
 
     def _attention(self, q, k, v, mask, window, positions):
@@ -439,7 +458,7 @@ class _Frozen(torch.nn.Module):
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
         x = self.engine._body(ids, positions, span, static=True)  # masked: the span runs past the tokens
-        return self.engine._logits(x) if self.with_lm_head else x
+        return self.engine.logits(x) if self.with_lm_head else x
 
 
 # Freezing folds the weights in as constants, which lets inductor prepack them and run its own
@@ -464,7 +483,7 @@ def _compiled(engine: Engine):
         torch._dynamo.mark_static(positions, 0)
         with torch._inductor.config.patch(INDUCTOR_OPTIONS):
             out = compiled(ids, positions, span)
-        return out if with_lm_head else engine._logits(out)
+        return out if with_lm_head else engine.logits(out)
 
     return step
 
