@@ -61,7 +61,7 @@ def test_fixed_shape_step_equals_the_dynamic_step(model_type):
     for ids in ([7], [5, 17, 99, 3]):
         positions = torch.arange(engine.length, engine.length + len(ids))
         static = engine._static_body(torch.tensor(ids), positions)
-        dynamic = engine._logits(engine._body(torch.tensor(ids), positions, engine.length + len(ids)))
+        dynamic = engine.logits(engine._body(torch.tensor(ids), positions, engine.length + len(ids)))
         torch.testing.assert_close(static, dynamic, atol=1e-5, rtol=1e-5)
         engine.forward(ids)
 
