@@ -106,6 +106,8 @@ class Engine:
     is a float GEMM, whose extra rows ride along with the weight reads; 1 over integer kernels,
     whose cost grows with the rows, and then speculation on it has no room and is plain greedy).
     Prompts and longer steps run eager. On the CPU ``auto`` then keeps bf16 wherever exact.
+    A compiled engine allocates ``2 * SPAN_ALIGN`` slots beyond ``max_len``: the graph guards on
+    the cache tensors, so a cache that grows later costs a second compile.
 
     ``graphs`` (default: on a GPU): steps of up to ``kernels.VERIFY_ROWS`` tokens (one-token
     steps and speculative verify steps) replay a CUDA graph captured once per token count,
@@ -183,7 +185,9 @@ class Engine:
             raise DecodeError("CUDA graphs need a CUDA device; run without graphs on the CPU")
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None  # shared by its graphs
         self.max_len, self.length, self.k_cache, self.v_cache = 0, 0, [], []
-        self._allocate(max_len)
+        # a compiled step attends past its tokens (``_run_compiled``), and growing the cache later
+        # compiles the graph again (it guards on the cache tensors): room for that from the start
+        self._allocate(max_len + (2 * SPAN_ALIGN if compile else 0))
         self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
         self.compiled, self.compile_seconds, self.note, self.exited = None, 0.0, "", None
         if step_rows is None:  # extra rows ride along with a float GEMM's weight reads, not an integer kernel's
@@ -304,8 +308,8 @@ class Engine:
         another order; the masked slots past a token add exact zeros)."""
         count, rows = ids.numel(), self.step_rows
         span = -(-(start + rows) // SPAN_ALIGN) * SPAN_ALIGN
-        if span > self.max_len:
-            self._allocate(max(2 * self.max_len, span))
+        if span >= self.max_len:  # strictly more slots than the span: a graph compiled while they were
+            self._allocate(max(2 * self.max_len, span + SPAN_ALIGN))  # equal would guard on it and recompile
         padded = torch.cat([ids, ids[-1:].expand(rows - count)])
         positions = torch.arange(start, start + rows, device=self.device)
         first, clock = not self.compile_seconds, time.perf_counter()
