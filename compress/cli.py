@@ -159,7 +159,7 @@ def _decode(args) -> None:
             store.add(result.tokens)
             store.save(args.datastore)
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
-    compiling = getattr(target, "compile_seconds", 0.0) if on_engine else 0.0  # paid once, inside the first step
+    compiling = target.compile_seconds if on_engine else 0.0  # paid once, inside the first step
     where = "engine" + (f", compiled (compiling took {compiling:.0f} s, not counted)" if compiling else "") \
         if on_engine else "transformers' forward"
     seconds = max(result.seconds - compiling, 1e-9)

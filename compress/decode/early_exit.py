@@ -16,6 +16,7 @@ As a lossless proposer, the same idea is early-exit drafting: ``decode.layer_sub
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from typing import Literal
@@ -123,7 +124,7 @@ def _transformers_step(model, cache, token: int, exits: set[int], threshold: flo
             layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kw)
             continue
         before, hidden = hidden, layer(hidden, **kw)
-        if i in exits and _confidence(lambda h: _logits(model, h), before, hidden, measure).item() >= threshold:
+        if i in exits and _confidence(functools.partial(_logits, model), before, hidden, measure).item() >= threshold:
             exited = i
     return _logits(model, hidden)[0, -1], len(layers) if exited is None else exited + 1
 
@@ -143,7 +144,8 @@ def calibrate(model, ids: torch.Tensor, exits: list[int], measure: Measure = "so
     final = out.logits.argmax(-1)
     states, count = out.hidden_states, len(model.model.layers)  # states[i + 1] leaves layer i
     exits = sorted(i for i in exits if 0 <= i < count - 1)
-    conf = torch.stack([_confidence(lambda h: _logits(model, h), states[i], states[i + 1], measure) for i in exits])
+    to_logits = functools.partial(_logits, model)
+    conf = torch.stack([_confidence(to_logits, states[i], states[i + 1], measure) for i in exits])
     agree = torch.stack([_logits(model, states[i + 1]).argmax(-1) == final for i in exits])
     best = {"threshold": float("inf"), "agreement": 1.0, "mean_layers": float(count)}
     grid = torch.linspace(0.5, 1.0, 51).tolist() if measure == "softmax" else torch.linspace(0.9, 1.0, 101).tolist()

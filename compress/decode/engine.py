@@ -447,7 +447,7 @@ class Engine:
 
 
 class _Frozen(torch.nn.Module):
-    """An engine's one-token step as a module whose buffers are its linear weights: inductor
+    """An engine's step as a module whose buffers are its linear weights: inductor
     then freezes them (folds them in as constants, prepacks them for oneDNN) and fuses everything
     between the matmuls into a few loops, so a token costs its matmuls, not ~40 ops a layer."""
 
@@ -468,14 +468,14 @@ class _Frozen(torch.nn.Module):
 # Freezing folds the weights in as constants, which lets inductor prepack them and run its own
 # AMX/AVX-512 GEMM templates (chosen by timing: max-autotune) with the ops around them fused; a C++
 # wrapper calls the kernels without Python. Prepacked oneDNN constants cannot be pickled, so
-# inductor does not cache such a graph on disk: every process compiles again (about 75 s for
+# inductor does not cache such a graph on disk: every process compiles again (80–115 s for
 # SmolLM2 on two cores). Without prepacking the graph is cached but no faster than eager.
 INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
                     "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
 def _compiled(engine: Engine):
-    """The compiled one-token step: ids, positions, span -> logits."""
+    """The compiled step (``step_rows`` tokens): ids, positions, span -> logits."""
     # A lossy int4 lm_head stays out of the graph: inductor (torch 2.13) emitted code naming an
     # undefined size symbol for it under dynamic shapes, and the compile failed.
     with_lm_head = engine.formats["lm_head"] != "int4"

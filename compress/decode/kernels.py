@@ -451,7 +451,7 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
         exact = [f for f in exact_formats(layers[0], device)
                  if all(f in exact_formats(lins, device) for lins in layers[1:])] or ["fp32"]
         if compiled and kernel == "auto" and "bf16" in exact:
-            exact = [f for f in exact if f not in ("fp32", "fp32-onednn")]
+            exact = [f for f in exact if f == "bf16" or f not in FLOAT_FORMATS]
         if kernel == "auto" and len(exact) == 1:
             formats[name] = exact[0]
         elif kernel == "auto":
