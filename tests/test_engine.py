@@ -2,6 +2,8 @@
 (fp32 and bf16) and on tiny random models of every supported family, a k-token verify equals k
 one-token steps, and rollback, kernels, speculation and bad input behave."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -146,23 +148,46 @@ def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding():
         engine.crop(10)
 
 
+@pytest.fixture
+def package_folder(tmp_path, monkeypatch):
+    """Compiled steps go to a fresh folder: each test compiles, and nothing lands in the user's cache."""
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path))
+    return tmp_path / "engine"
+
+
+def _compiled_or_skip(engine: Engine) -> None:
+    """Skip where this machine cannot compile (no C++ compiler); any other failure fails the test."""
+    if engine.compiled is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(engine.note)
+        pytest.skip(engine.note)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
-def test_compiled_step_computes_what_the_eager_step_computes(model_type):
+def test_compiled_step_computes_what_the_eager_step_computes(model_type, package_folder):
     """The compiled one-token step (frozen weights, inductor's own GEMMs, logits in the graph)
-    agrees with the eager step to fp32 rounding, through a cache that grows past the prompt."""
+    agrees with the eager step to fp32 rounding, through a cache that grows past the prompt; a
+    second engine over the same weights loads the package from disk and computes the same bits."""
     model = tiny(model_type, layers=2)
     eager, compiled = Engine(model, kernel="fp32"), Engine(model, kernel="fp32", compile=True)
     prompt = _prompt()[0].tolist()
     eager.forward(prompt), compiled.forward(prompt)
+    outputs = []
     for token in [5, 17, 99, 3, 42, 7]:
         expected, got = eager.forward([token]), compiled.forward([token])
-        if compiled.compiled is None:  # the fallback (tested below) ran: this machine cannot compile
-            pytest.skip(compiled.note)
+        _compiled_or_skip(compiled)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    assert compiled.compile_seconds > 0
+        outputs.append(got)
+    assert compiled.compile_seconds > 0 and compiled.compiled.built
+    assert [p.name for p in package_folder.iterdir()] == [compiled.compiled.path.name]  # no partial file left
+
+    again = Engine(model, kernel="fp32", compile=True)
+    again.forward(prompt)
+    assert torch.equal(torch.cat([again.forward([t]) for t in [5, 17, 99, 3, 42, 7]]), torch.cat(outputs))
+    assert again.compiled.built is False  # loaded, not compiled
 
 
-def test_compiled_verify_steps_round_as_compiled_one_token_steps():
+def test_compiled_verify_steps_round_as_compiled_one_token_steps(package_folder):
     """In bf16, where summation order shows, a compiled k-token verify step equals k compiled
     one-token steps bit for bit (at cache lengths on both sides of the span's alignment), so prompt
     lookup on the compiled engine gives exactly the compiled engine's greedy tokens. (On this tiny
@@ -172,8 +197,7 @@ def test_compiled_verify_steps_round_as_compiled_one_token_steps():
     engine = Engine(model, kernel="bf16", compile=True, step_rows=4)
     prompt = _prompt(56)
     plain = greedy(engine, prompt, 24)
-    if engine.compiled is None:
-        pytest.skip(engine.note)
+    _compiled_or_skip(engine)
     assert engine.step_tokens == 4
     for length in (57, 58, 59, 60, 64):  # verify spans ending before and after 64 slots
         engine.reset()
@@ -186,7 +210,7 @@ def test_compiled_verify_steps_round_as_compiled_one_token_steps():
     assert result.proposed <= 3 * (result.forwards - 1)
 
 
-def test_eager_fallback_when_compiling_fails(monkeypatch, capsys):
+def test_eager_fallback_when_compiling_fails(package_folder, capsys):
     model = tiny("llama")
     engine = Engine(model, kernel="fp32", compile=True)
 

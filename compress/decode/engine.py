@@ -23,11 +23,14 @@ Supported: Llama, Mistral, Qwen2, Qwen3 and Gemma-3 text blocks (q/k norms, sand
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import os
+import platform
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -98,16 +101,15 @@ class Engine:
     ``max_len``: cache slots; the cache grows when a request needs more. ``dtype``: the
     residual stream's; by default bf16 on a CPU when every chosen kernel takes bf16 (then the
     engine computes what transformers computes in bf16), else fp32; the model's on a GPU.
-    ``compile``: run steps of up to ``step_rows`` tokens, lm_head included, through
-    ``torch.compile`` with the weights frozen into the graph (``_Frozen``; the cache length is
-    dynamic, so one graph serves every step; compiled again in every process: see
-    ``INDUCTOR_OPTIONS``); eager if it fails. One-token and verify steps run the same graph, so
+    ``compile``: run steps of up to ``step_rows`` tokens, lm_head included, through one graph
+    compiled by AOTInductor with the weights frozen in as constants (``_Step``; the span and the
+    cache length are dynamic, so one graph serves every step). The package is kept on disk per
+    machine and weights (``_compiled``): the first process compiles (about a minute for
+    SmolLM2), later ones load it in about a second. Eager if it fails. One-token and verify steps run the same graph, so
     speculation on it reproduces its greedy exactly. ``step_rows`` (default: 8 where every kernel
     is a float GEMM, whose extra rows ride along with the weight reads; 1 over integer kernels,
     whose cost grows with the rows, and then speculation on it has no room and is plain greedy).
     Prompts and longer steps run eager. On the CPU ``auto`` then keeps bf16 wherever exact.
-    A compiled engine allocates ``2 * SPAN_ALIGN`` slots beyond ``max_len``: the graph guards on
-    the cache tensors, so a cache that grows later costs a second compile.
 
     ``graphs`` (default: on a GPU): steps of up to ``kernels.VERIFY_ROWS`` tokens (one-token
     steps and speculative verify steps) replay a CUDA graph captured once per token count,
@@ -185,8 +187,7 @@ class Engine:
             raise DecodeError("CUDA graphs need a CUDA device; run without graphs on the CPU")
         self.graph_pool = torch.cuda.graph_pool_handle() if self.graphs else None  # shared by its graphs
         self.max_len, self.length, self.k_cache, self.v_cache = 0, 0, [], []
-        # a compiled step attends past its tokens (``_run_compiled``), and growing the cache later
-        # compiles the graph again (it guards on the cache tensors): room for that from the start
+        # a compiled step attends past its tokens (``_run_compiled``): room for that from the start
         self._allocate(max_len + (2 * SPAN_ALIGN if compile else 0))
         self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
         self.compiled, self.compile_seconds, self.note, self.exited = None, 0.0, "", None
@@ -308,8 +309,8 @@ class Engine:
         another order; the masked slots past a token add exact zeros)."""
         count, rows = ids.numel(), self.step_rows
         span = -(-(start + rows) // SPAN_ALIGN) * SPAN_ALIGN
-        if span >= self.max_len:  # strictly more slots than the span: a graph compiled while they were
-            self._allocate(max(2 * self.max_len, span + SPAN_ALIGN))  # equal would guard on it and recompile
+        if span > self.max_len:
+            self._allocate(max(2 * self.max_len, span + SPAN_ALIGN))
         padded = torch.cat([ids, ids[-1:].expand(rows - count)])
         positions = torch.arange(start, start + rows, device=self.device)
         first, clock = not self.compile_seconds, time.perf_counter()
@@ -369,18 +370,20 @@ class Engine:
         return masks
 
     def _body(self, ids: torch.Tensor, positions: torch.Tensor, span: int, static: bool = False,
-              exit_when=None) -> torch.Tensor:
+              exit_when=None, cache=None) -> torch.Tensor:
         """The decoder blocks over new tokens at ``positions``, attending to cache slots ``[0, span)``;
         ``static``: every token under a mask (the span may run past the tokens), and no value read
         back to the host (fixed shapes, for a CUDA graph or a compiled step). ``exit_when``: see
-        ``forward``."""
+        ``forward``. ``cache``: (keys, values, rotary tables) in place of the engine's own (for
+        ``_Step``, which takes them as inputs)."""
+        k_caches, v_caches, tables = cache or (self.k_cache, self.v_cache, self.rotary)
         x = F.embedding(ids, self.embed).to(self.dtype)
         if self.embed_scale != 1.0:
             x = x * torch.tensor(self.embed_scale, dtype=self.embed.dtype).to(self.dtype)
         count, masks = ids.numel(), self._masks(positions, span, static)
-        rotary = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in self.rotary.items()}
+        rotary = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in tables.items()}
         exited = None
-        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, self.k_cache, self.v_cache)):
+        for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
             before, h = x, layer.attn_norm(x)
             q, k, v = layer.qkv(h).split([self.q_size, self.kv_size, self.kv_size], -1)
             q = q.view(count, self.heads, self.head_dim).transpose(0, 1)
@@ -446,49 +449,122 @@ class Engine:
                                          for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
 
 
-class _Frozen(torch.nn.Module):
-    """An engine's step as a module whose buffers are its linear weights: inductor
-    then freezes them (folds them in as constants, prepacks them for oneDNN) and fuses everything
-    between the matmuls into a few loops, so a token costs its matmuls, not ~40 ops a layer."""
+class _Step(torch.nn.Module):
+    """An engine's compiled step as a module: its weights (linears, norms, embedding) are buffers,
+    which inductor's ``freezing`` folds in as constants, prepacks, and runs through its own GEMM
+    templates with everything between the matmuls fused into a few loops, so a token costs its
+    matmuls, not ~40 ops a layer. The KV cache and the rotary tables are inputs (updated in place),
+    so the eager prompt and the compiled steps share one cache, and growing it needs no new graph."""
 
     def __init__(self, engine: Engine, with_lm_head: bool):
         super().__init__()
         self.engine = engine  # a plain attribute: not a module, its tensors are found by identity
         self.with_lm_head = with_lm_head
-        matmuls = [m for layer in engine.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        matmuls += [engine.lm_head] if with_lm_head else []
-        for i, t in enumerate(t for m in matmuls for t in m.tensors()):
-            self.register_buffer(f"weight{i}", t, persistent=False)
+        seen = set()
+        for i, t in enumerate(_step_tensors(engine, with_lm_head)):
+            # a tied lm_head shares the embedding's storage: give the alias a copy of its own. (Not
+            # named "constant{i}": AOTInductor names its packed weights so, and a buffer of that
+            # name replaced a packed weight in the package, which then computed wrong products.)
+            storage = t.untyped_storage().data_ptr()
+            self.register_buffer(f"engine_tensor{i}", t.clone() if storage in seen else t)
+            seen.add(storage)
 
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        x = self.engine._body(ids, positions, span, static=True)  # masked: the span runs past the tokens
+    def forward(self, ids, positions, slots, k_cache, v_cache, rotary):
+        """``slots``: a tensor whose length is the span (a shape, so the span stays symbolic);
+        ``rotary``: (cos, sin) tables in the order of ``sorted(engine.rotary)``."""
+        tables = dict(zip(sorted(self.engine.rotary), rotary))
+        x = self.engine._body(ids, positions, slots.shape[0], static=True, cache=(k_cache, v_cache, tables))
         return self.engine.logits(x) if self.with_lm_head else x
 
 
 # Freezing folds the weights in as constants, which lets inductor prepack them and run its own
-# AMX/AVX-512 GEMM templates (chosen by timing: max-autotune) with the ops around them fused; a C++
-# wrapper calls the kernels without Python. Prepacked oneDNN constants cannot be pickled, so
-# inductor does not cache such a graph on disk: every process compiles again (80–115 s for
-# SmolLM2 on two cores). Without prepacking the graph is cached but no faster than eager.
-INDUCTOR_OPTIONS = {"freezing": True, "cpp_wrapper": True, "max_autotune": True,
-                    "max_autotune_gemm_backends": "CPP,ATEN"}
+# AMX/AVX-512 GEMM templates (chosen by timing: max-autotune). AOTInductor writes the result as one
+# package (a shared library and its constants), which later processes load in about a second.
+INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
+def _step_tensors(engine: Engine, with_lm_head: bool) -> list[torch.Tensor]:
+    """Every tensor a compiled step reads besides its inputs: the weights it freezes in."""
+    layers = engine.layers
+    matmuls = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    matmuls += [engine.lm_head] if with_lm_head else []
+    norms = [n for layer in layers for n in (layer.attn_norm, layer.mlp_norm, layer.post_attn_norm,
+                                             layer.post_mlp_norm, layer.q_norm, layer.k_norm)]
+    return ([t for m in matmuls for t in m.tensors()] + [engine.embed, engine.final_norm.weight]
+            + [n.weight for n in norms if n is not None])
+
+
+def _fingerprint(engine: Engine, with_lm_head: bool) -> str:
+    """What a compiled package depends on: torch, this machine's CPU, the engine's settings and
+    code, and every byte of its weights (a stale package would decode wrong tokens silently)."""
+    digest = hashlib.blake2b(digest_size=16)
+    info = Path("/proc/cpuinfo")
+    cpu = [line for line in info.read_text().splitlines() if line.startswith(("model name", "flags"))][:2] \
+        if info.exists() else platform.processor()
+    settings = [torch.__version__, platform.machine(), cpu, str(engine.device), str(engine.dtype),
+                engine.step_rows, with_lm_head, sorted(engine.formats.items()), INDUCTOR_OPTIONS,
+                engine.config.to_json_string()]
+    digest.update(repr(settings).encode())
+    for module in (sys.modules[__name__], kernels):  # the code that builds the graph
+        digest.update(Path(module.__file__).read_bytes())
+    for t in _step_tensors(engine, with_lm_head):
+        digest.update(repr((t.dtype, tuple(t.shape))).encode())
+        digest.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
 
 
 def _compiled(engine: Engine):
-    """The compiled step (``step_rows`` tokens): ids, positions, span -> logits."""
+    """The compiled step (``step_rows`` tokens): ids, positions, span -> logits.
+
+    Loaded from ``cache_dir()/engine/<fingerprint>.pt2`` when an earlier process built it; else
+    exported, compiled with AOTInductor and written there (atomically) on the first call."""
     # A lossy int4 lm_head stays out of the graph: inductor (torch 2.13) emitted code naming an
     # undefined size symbol for it under dynamic shapes, and the compile failed.
     with_lm_head = engine.formats["lm_head"] != "int4"
-    compiled = torch.compile(_Frozen(engine, with_lm_head), fullgraph=True, dynamic=True)
+    path = cache_dir() / "engine" / f"{_fingerprint(engine, with_lm_head)}.pt2"
+    runner = None
+
+    def load_or_build():
+        if path.exists():
+            try:
+                step.built = False
+                return torch._inductor.aoti_load_package(str(path))
+            except Exception as e:  # noqa: BLE001 - a damaged package (a killed writer cannot leave one): rebuild
+                print(f"[decode engine: could not load {path.name} ({type(e).__name__}); compiling again]",
+                      file=sys.stderr)
+        rows, length = engine.step_rows, 3 * SPAN_ALIGN  # examples: the span and cache length differ
+        cache = [torch.zeros(1, engine.kv_heads, length, engine.head_dim, dtype=engine.dtype, device=engine.device)
+                 for _ in engine.layers]
+        tables = [tuple(torch.zeros(length, engine.head_dim, dtype=engine.dtype, device=engine.device)
+                        for _ in range(2)) for _ in engine.rotary]
+        example = (torch.zeros(rows, dtype=torch.long, device=engine.device),
+                   torch.arange(rows, device=engine.device), torch.empty(SPAN_ALIGN, dtype=torch.int8),
+                   cache, [c.clone() for c in cache], tables)
+        span, slots = torch.export.Dim("span", min=2), torch.export.Dim("slots", min=2)
+        dynamic = (None, None, {0: span}, [{2: slots}] * len(cache), [{2: slots}] * len(cache),
+                   [({0: slots}, {0: slots})] * len(tables))
+        step.built = True
+        with torch.no_grad():
+            program = torch.export.export(_Step(engine, with_lm_head), example, dynamic_shapes=dynamic, strict=False)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # the packager wants .pt2
+        try:
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
+                                                     inductor_configs=dict(INDUCTOR_OPTIONS))  # it adds keys
+            os.replace(partial, path)
+        finally:
+            partial.unlink(missing_ok=True)
+        return torch._inductor.aoti_load_package(str(path))
 
     def step(ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        # read from the global config when a graph compiles (``options=`` does not reach freezing)
-        torch._dynamo.mark_static(ids, 0)  # the rows are fixed (``step_rows``); the span grows
-        torch._dynamo.mark_static(positions, 0)
-        with torch._inductor.config.patch(INDUCTOR_OPTIONS):
-            out = compiled(ids, positions, span)
+        nonlocal runner
+        if runner is None:
+            runner = load_or_build()
+        rotary = [engine.rotary[kind] for kind in sorted(engine.rotary)]
+        out = runner(ids, positions, torch.empty(span, dtype=torch.int8), engine.k_cache, engine.v_cache, rotary)
         return out if with_lm_head else engine.logits(out)
 
+    step.path, step.built = path, None  # built: compiled in this process (False: loaded; None: not yet run)
     return step
 
 
