@@ -456,12 +456,11 @@ class _Step(torch.nn.Module):
     matmuls, not ~40 ops a layer. The KV cache and the rotary tables are inputs (updated in place),
     so the eager prompt and the compiled steps share one cache, and growing it needs no new graph."""
 
-    def __init__(self, engine: Engine, with_lm_head: bool):
+    def __init__(self, engine: Engine):
         super().__init__()
         self.engine = engine  # a plain attribute: not a module, its tensors are found by identity
-        self.with_lm_head = with_lm_head
         seen = set()
-        for i, t in enumerate(_step_tensors(engine, with_lm_head)):
+        for i, t in enumerate(_step_tensors(engine)):
             # a tied lm_head shares the embedding's storage: give the alias a copy of its own. (Not
             # named "constant{i}": AOTInductor names its packed weights so, and a buffer of that
             # name replaced a packed weight in the package, which then computed wrong products.)
@@ -474,7 +473,7 @@ class _Step(torch.nn.Module):
         ``rotary``: (cos, sin) tables in the order of ``sorted(engine.rotary)``."""
         tables = dict(zip(sorted(self.engine.rotary), rotary))
         x = self.engine._body(ids, positions, slots.shape[0], static=True, cache=(k_cache, v_cache, tables))
-        return self.engine.logits(x) if self.with_lm_head else x
+        return self.engine.logits(x)
 
 
 # Freezing folds the weights in as constants, which lets inductor prepack them and run its own
@@ -483,18 +482,17 @@ class _Step(torch.nn.Module):
 INDUCTOR_OPTIONS = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
-def _step_tensors(engine: Engine, with_lm_head: bool) -> list[torch.Tensor]:
+def _step_tensors(engine: Engine) -> list[torch.Tensor]:
     """Every tensor a compiled step reads besides its inputs: the weights it freezes in."""
     layers = engine.layers
-    matmuls = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    matmuls += [engine.lm_head] if with_lm_head else []
+    matmuls = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [engine.lm_head]
     norms = [n for layer in layers for n in (layer.attn_norm, layer.mlp_norm, layer.post_attn_norm,
                                              layer.post_mlp_norm, layer.q_norm, layer.k_norm)]
     return ([t for m in matmuls for t in m.tensors()] + [engine.embed, engine.final_norm.weight]
             + [n.weight for n in norms if n is not None])
 
 
-def _fingerprint(engine: Engine, with_lm_head: bool) -> str:
+def _fingerprint(engine: Engine) -> str:
     """What a compiled package depends on: torch, this machine's CPU, the engine's settings and
     code, and every byte of its weights (a stale package would decode wrong tokens silently)."""
     digest = hashlib.blake2b(digest_size=16)
@@ -502,12 +500,12 @@ def _fingerprint(engine: Engine, with_lm_head: bool) -> str:
     cpu = [line for line in info.read_text().splitlines() if line.startswith(("model name", "flags"))][:2] \
         if info.exists() else platform.processor()
     settings = [torch.__version__, platform.machine(), cpu, str(engine.device), str(engine.dtype),
-                engine.step_rows, with_lm_head, sorted(engine.formats.items()), INDUCTOR_OPTIONS,
+                engine.step_rows, sorted(engine.formats.items()), INDUCTOR_OPTIONS,
                 engine.config.to_json_string()]
     digest.update(repr(settings).encode())
     for module in (sys.modules[__name__], kernels):  # the code that builds the graph
         digest.update(Path(module.__file__).read_bytes())
-    for t in _step_tensors(engine, with_lm_head):
+    for t in _step_tensors(engine):
         digest.update(repr((t.dtype, tuple(t.shape))).encode())
         digest.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
     return digest.hexdigest()
@@ -518,10 +516,7 @@ def _compiled(engine: Engine):
 
     Loaded from ``cache_dir()/engine/<fingerprint>.pt2`` when an earlier process built it; else
     exported, compiled with AOTInductor and written there (atomically) on the first call."""
-    # A lossy int4 lm_head stays out of the graph: inductor (torch 2.13) emitted code naming an
-    # undefined size symbol for it under dynamic shapes, and the compile failed.
-    with_lm_head = engine.formats["lm_head"] != "int4"
-    path = cache_dir() / "engine" / f"{_fingerprint(engine, with_lm_head)}.pt2"
+    path = cache_dir() / "engine" / f"{_fingerprint(engine)}.pt2"
     runner = None
 
     def load_or_build():
@@ -545,7 +540,7 @@ def _compiled(engine: Engine):
                    [({0: slots}, {0: slots})] * len(tables))
         step.built = True
         with torch.no_grad():
-            program = torch.export.export(_Step(engine, with_lm_head), example, dynamic_shapes=dynamic, strict=False)
+            program = torch.export.export(_Step(engine), example, dynamic_shapes=dynamic, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # the packager wants .pt2
         try:
@@ -561,8 +556,7 @@ def _compiled(engine: Engine):
         if runner is None:
             runner = load_or_build()
         rotary = [engine.rotary[kind] for kind in sorted(engine.rotary)]
-        out = runner(ids, positions, torch.empty(span, dtype=torch.int8), engine.k_cache, engine.v_cache, rotary)
-        return out if with_lm_head else engine.logits(out)
+        return runner(ids, positions, torch.empty(span, dtype=torch.int8), engine.k_cache, engine.v_cache, rotary)
 
     step.path, step.built = path, None  # built: compiled in this process (False: loaded; None: not yet run)
     return step
