@@ -110,10 +110,7 @@ def _decode(args) -> None:
               f"{built.weight_bytes() / 1e6:.0f} MB of weights per token]", file=sys.stderr)
         return built
 
-    on_engine = args.method in ("greedy", "prompt-lookup", "draft", "self-spec", "early-exit")  # KIVI caches too
-    target = engine(model) if on_engine else model
-    if not on_engine and device.type == "cpu" and args.kernel != "dense":
-        kernels.use_onednn(model)  # multi-token forwards (lookahead's) on prepacked oneDNN weights
+    target = engine(model)  # every method runs on the engine (KIVI caches too)
     if args.method == "greedy":
         if not sampling.greedy:
             raise decode.DecodeError("--method greedy takes no --temperature; use prompt-lookup or draft to sample")
@@ -125,10 +122,7 @@ def _decode(args) -> None:
     elif args.method == "lookahead":
         from .decode.lookahead import lookahead
 
-        if cache is not None:
-            raise decode.DecodeError(f"{args.model} has a quantized KV cache; lookahead cannot prune it yet: "
-                                     "use --method greedy")
-        result = lookahead(model, prompt, args.max_new_tokens, args.window, args.ngram, args.guesses, eos, sampling)
+        result = lookahead(target, prompt, args.max_new_tokens, args.window, args.ngram, args.guesses, eos, sampling)
     else:
         draft = None
         if args.draft == "self-w4":
@@ -159,10 +153,9 @@ def _decode(args) -> None:
             store.add(result.tokens)
             store.save(args.datastore)
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
-    compiling = target.compile_seconds if on_engine else 0.0  # paid once, inside the first step
+    compiling = target.compile_seconds  # paid once, inside the first step
     how = "compiling" if compiling and target.compiled.built else "loading the compiled step"
-    where = "engine" + (f", compiled ({how} took {compiling:.0f} s, not counted)" if compiling else "") \
-        if on_engine else "transformers' forward"
+    where = "engine" + (f", compiled ({how} took {compiling:.0f} s, not counted)" if compiling else "")
     seconds = max(result.seconds - compiling, 1e-9)
     print(f"\n[{args.method}: {len(result.tokens)} tokens in {seconds:.2f} s, "
           f"{len(result.tokens) / seconds:.1f} tokens/s, {result.tokens_per_forward:.2f} tokens per "

@@ -195,7 +195,8 @@ def main() -> None:
                    "lookup": lambda p: ours(speculate(engine, p, n, PromptLookup(token_cost=cost), 10, eos=eos)),
                    "draft": lambda p: ours(speculate(engine, p, n, draft(), 6, eos=eos)),
                    "lookup+draft": lambda p: ours(speculate(engine, p, n, LookupThenDraft(
-                       PromptLookup(token_cost=cost), draft()), 8, eos=eos))}[method]
+                       PromptLookup(token_cost=cost), draft()), 8, eos=eos)),
+                   "lookahead": lambda p: ours(lookahead(engine, p, n, 3, 3, 4, eos=eos))}[method]
             compiled = engine.compile_seconds or ("failed: ran eager" if kw.get("compile") and not cuda else None)
             if compiled and engine.compiled is not None and engine.compiled.built is False:
                 compiled = f"{compiled:.0f} (loaded)"
@@ -238,9 +239,7 @@ def main() -> None:
     if not cuda:  # speculation on the compiled target (the W4 draft stays eager)
         rows["ours prompt lookup, compiled"] = engine_row(base, "lookup", compile=True)
         rows["ours W4 self-draft + prompt lookup, compiled"] = engine_row(base, "lookup+draft", compile=True)
-    base_bytes = bf16_bytes if cuda else 2 * bf16_bytes
-    rows["ours lookahead (W=3 N=3 G=5), transformers' forward"] = \
-        lambda: ((lambda p: ours(lookahead(base, p, n, 3, 3, 5, eos=eos))), base_bytes, None)
+    rows["ours lookahead (W=3 N=3 G=4), eager"] = engine_row(base, "lookahead")
 
     def early_exit_row():
         from compress.arch import decoder_layers

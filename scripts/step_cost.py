@@ -98,9 +98,12 @@ def compare_compiled(eager: Engine, model, prompt: torch.Tensor, following: list
     logits along eager's greedy path."""
     compiled = Engine(model, kernel=args.kernel, compile=True)
     compiled.forward(prompt, all_logits=False)
-    compiled.forward(following[:1])  # compiles
+    compiled.forward(following[:1])  # compiles, or loads the package an earlier run left
+    if compiled.compiled is None:
+        sys.exit(f"the compiled engine fell back to eager: {compiled.note}")
+    how = "compiled" if compiled.compiled.built else "loaded its compiled package"
     print(f"\ncompiled engine: {compiled.describe()}; stream {str(compiled.dtype).removeprefix('torch.')}; "
-          f"{compiled.step_rows}-token steps; compiled in {compiled.compile_seconds:.0f} s\n")
+          f"{compiled.step_rows}-token steps; {how} in {compiled.compile_seconds:.0f} s\n")
     table(compiled, prompt, following, args)
     compiled.reset()
     compiled.forward(prompt, all_logits=False)

@@ -113,6 +113,29 @@ def test_speculation_on_the_engine_is_token_identical_to_its_greedy():
         assert result.accepted > 0, name
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_lookahead_on_the_engine_is_token_identical_to_its_greedy(model_type):
+    """Lookahead's window and candidates in one eager step (each token over exactly the slots it
+    sees), then its accepted branch moved behind the cache, give the engine's greedy tokens; in
+    bf16 too, where a differently summed attention would show. A step holds at most 16 tokens."""
+    from compress.decode.lookahead import lookahead
+
+    for dtype in (torch.float32, torch.bfloat16):
+        model = tiny(model_type, layers=2).to(dtype)
+        for layer in model.model.layers:  # the tiny Gemma's 8-token window would refuse lookahead
+            if getattr(layer.self_attn, "sliding_window", None):
+                layer.self_attn.sliding_window = 100
+        engine = Engine(model, kernel="bf16" if dtype == torch.bfloat16 else "fp32")
+        for seed in range(3):
+            prompt = _prompt(seed=seed)
+            plain = greedy(engine, prompt, 40)
+            result = lookahead(engine, prompt, 40, 3, 3, 5)
+            assert result.tokens == plain.tokens, (dtype, seed)
+            assert result.forwards < plain.forwards  # the repeated motif gets verified in bulk
+            assert result.extra["guesses"] == 4  # 1 + (3 + 4) × 2 = 15 tokens: 5 guesses would not fit
+            assert engine.length == prompt.shape[1] + 39  # the last token is not in the cache yet
+
+
 @pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="no int4 CPU kernel")
 def test_kernels_hold_the_weights_they_are_offered_for():
     from compress.decode import kernels

@@ -241,6 +241,18 @@ class Engine:
             raise DecodeError(f"cannot roll back {n} tokens past the KIVI-quantized part of the cache")
         self.length -= n
 
+    def keep(self, length: int, extra: list[int]) -> None:
+        """Keep the first ``length`` cached tokens and the entries at slots ``extra``, moved in order
+        to follow them: lookahead keeps its accepted branch this way (``forward_tree`` rotated
+        their keys at the positions they keep)."""
+        if length < self.quantized_upto:
+            raise DecodeError(f"cannot roll back to {length} tokens past the KIVI-quantized part of the cache")
+        if extra:
+            index = torch.tensor(extra, device=self.device)
+            for cache in self.k_cache + self.v_cache:
+                cache[:, :, length : length + len(extra)] = cache[:, :, index]  # the gather copies first
+        self.length = length + len(extra)
+
     def _flush_kv(self) -> None:
         """KIVI: quantize the window's oldest whole multiple of ``residual`` tokens (all of it
         without a window) and keep their dequantized values, as ``KIVICache`` does after each step."""
@@ -297,6 +309,31 @@ class Engine:
             logits = self.logits(x if all_logits else x[-1:])
         self.length = start + count
         return logits if all_logits else logits[-1:]
+
+    @torch.no_grad()
+    def forward_tree(self, ids: list[int], offsets: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of tokens that are not one sequence (lookahead's window and candidates):
+        token ``i`` sits at position ``length + offsets[i]`` and sees the cache and the new tokens
+        ``visible[i]`` marks. Their keys and values take the next ``len(ids)`` slots (``keep`` then
+        keeps the accepted ones). Each token attends over exactly the slots it sees, gathered in
+        order, and the matmuls run as in verify steps (up to ``kernels.VERIFY_ROWS`` tokens), so a
+        token that sees its prefix gets the logits a one-token step gives it. Eager, also on a
+        compiled engine."""
+        ids = torch.as_tensor(ids, device=self.device).reshape(-1)
+        if self.kv_scheme is not None:
+            self._flush_kv()
+        start, count = self.length, ids.numel()
+        if start + count > self.context:
+            raise DecodeError(f"{start + count} tokens do not fit: the model's context is {self.context} tokens; "
+                              "shorten the prompt or ask for fewer new tokens")
+        if start + count > self.max_len:
+            self._allocate(max(2 * self.max_len, start + count))
+        prefix = torch.arange(start, device=self.device)
+        seen = [torch.cat([prefix, start + row.nonzero()[:, 0].to(self.device)]) for row in visible]
+        positions = start + torch.as_tensor(offsets, device=self.device)
+        logits = self.logits(self._body(ids, positions, start + count, tree=seen))
+        self.length = start + count
+        return logits
 
     def _run_compiled(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         """A step of up to ``step_rows`` tokens through the one compiled graph.
@@ -370,17 +407,20 @@ class Engine:
         return masks
 
     def _body(self, ids: torch.Tensor, positions: torch.Tensor, span: int, static: bool = False,
-              exit_when=None, cache=None) -> torch.Tensor:
+              exit_when=None, cache=None, tree: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The decoder blocks over new tokens at ``positions``, attending to cache slots ``[0, span)``;
         ``static``: every token under a mask (the span may run past the tokens), and no value read
         back to the host (fixed shapes, for a CUDA graph or a compiled step). ``exit_when``: see
         ``forward``. ``cache``: (keys, values, rotary tables) in place of the engine's own (for
-        ``_Step``, which takes them as inputs)."""
+        ``_Step``, which takes them as inputs). ``tree``: per token, the cache slots it attends to
+        (``forward_tree``; its keys and values then go to the slots after the cache's tokens)."""
         k_caches, v_caches, tables = cache or (self.k_cache, self.v_cache, self.rotary)
         x = F.embedding(ids, self.embed).to(self.dtype)
         if self.embed_scale != 1.0:
             x = x * torch.tensor(self.embed_scale, dtype=self.embed.dtype).to(self.dtype)
-        count, masks = ids.numel(), self._masks(positions, span, static)
+        count = ids.numel()
+        masks = self._masks(positions, span, static) if tree is None else {}
+        slots = positions if tree is None else torch.arange(self.length, self.length + count, device=self.device)
         rotary = {kind: (cos[positions], sin[positions]) for kind, (cos, sin) in tables.items()}
         exited = None
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
@@ -392,12 +432,16 @@ class Engine:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             cos, sin = rotary[layer.rotary]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            k_cache[0, :, positions] = k
-            v_cache[0, :, positions] = v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)
+            k_cache[0, :, slots] = k
+            v_cache[0, :, slots] = v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)
             if exited is not None:  # after an early exit a layer only writes its keys and values
                 continue
-            attn = self._attention(q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window], layer.window,
-                                   None if static else positions)
+            if tree is not None:
+                attn = torch.cat([self._sdpa(q[:, i : i + 1], k_cache[0][:, seen], v_cache[0][:, seen], None)
+                                  for i, seen in enumerate(tree)], 1)
+            else:
+                attn = self._attention(q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window],
+                                       layer.window, None if static else positions)
             h = layer.o(attn.transpose(0, 1).reshape(count, self.q_size))
             x = x + (layer.post_attn_norm(h) if layer.post_attn_norm is not None else h)
             gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, -1)

@@ -15,7 +15,7 @@ this project ran on before).
 The integers come from the linear's ``quantized`` record: set by our passes in the same
 process, or read back from an export's packed tensors by ``attach_from_export``; a W8A8
 export loaded by transformers holds its scale and the weight (as int8, or unpacked to q · scale).
-``use_onednn`` serves the methods that still run on transformers' forward (lookahead, early exit).
+``use_onednn`` speeds up transformers' own forward where a script runs it (every method runs on the engine).
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from collections import OrderedDict
 import torch
 from transformers import DynamicCache
 
+from . import kernels
 from .loop import DecodeError, DecodeResult, Sampling, device_of, forward_logits, sync
 
 
@@ -72,17 +73,50 @@ def _layout(rows: int, window: int, candidates: list[int]) -> tuple[torch.Tensor
     return torch.tensor(offsets), mask
 
 
-def _keep(cache, length: int, extra: list[int]) -> None:
-    """Cut every cache layer back to its first ``length`` entries plus the entries at ``extra``."""
-    for layer in cache.layers:
-        if extra:
-            index = torch.tensor(extra, device=layer.keys.device)
+class _TransformersTree:
+    """What lookahead needs of a runner (``forward``, ``forward_tree``, ``keep``, ``length``, the
+    sliding window) for a transformers model and its dynamic cache; ``engine.Engine`` has them."""
+
+    def __init__(self, model):
+        self.model, self.device = model, device_of(model)
+        self.cache = DynamicCache(config=model.config)
+        self.window = min((getattr(layer, "sliding_window", None) or 1 << 62) for layer in self.cache.layers)
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def forward(self, ids: torch.Tensor, all_logits: bool = True) -> torch.Tensor:
+        return forward_logits(self.model, ids, self.cache, all_logits)
+
+    def forward_tree(self, ids: list[int], offsets: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        t, dtype = self.length, next(self.model.parameters()).dtype
+        mask = torch.cat([torch.ones(len(ids), t, dtype=torch.bool), visible], 1)
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
+        out = self.model(input_ids=torch.tensor([ids], device=self.device),
+                         position_ids=(t + offsets).unsqueeze(0).to(self.device),
+                         attention_mask=mask[None, None].to(self.device), past_key_values=self.cache, use_cache=True)
+        return out.logits[0].float()
+
+    def keep(self, length: int, extra: list[int]) -> None:
+        """Cut every cache layer back to its first ``length`` entries plus the entries at ``extra``."""
+        for layer in self.cache.layers:
+            index = torch.tensor(extra, device=layer.keys.device, dtype=torch.long)
             layer.keys = torch.cat([layer.keys[:, :, :length], layer.keys.index_select(2, index)], 2)
             layer.values = torch.cat([layer.values[:, :, :length], layer.values.index_select(2, index)], 2)
-        else:
-            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
-        if hasattr(layer, "cumulative_length"):
-            layer.cumulative_length = layer.keys.shape[-2]
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = layer.keys.shape[-2]
+
+
+def _tree_runner(model):
+    """The engine itself (reset), or a transformers model wrapped; with the sliding window it must
+    stay inside and the most tokens a step may hold and still score its candidates exactly."""
+    if hasattr(model, "forward_tree"):
+        model.reset()
+        windows = [layer.window for layer in model.layers if layer.window]
+        return model, min(windows, default=1 << 62), kernels.VERIFY_ROWS
+    runner = _TransformersTree(model)
+    return runner, runner.window, 1 << 62
 
 
 def accept_candidates(candidates: list[list[int]], begins: list[int], logits: torch.Tensor, sampling: Sampling,
@@ -123,14 +157,20 @@ def accept_candidates(candidates: list[list[int]], begins: list[int], logits: to
 def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3, ngram: int = 3,
               guesses: int = 5, eos: set[int] = frozenset(), sampling: Sampling = Sampling()) -> DecodeResult:
     """Decoding with a ``window`` × ``ngram - 1`` Jacobi window and up to ``guesses`` pool
-    candidates verified per forward: greedy (token-identical to greedy decoding) or sampled
-    (the target's distribution). The paper's defaults are 15, 5, 15 (for GPUs); 3, 3, 5 was
-    fastest of six shapes tried for SmolLM2-135M on a 2-core CPU."""
+    candidates verified per forward, on the decode engine or a transformers model: greedy
+    (token-identical to greedy decoding) or sampled (the target's distribution). The paper's
+    defaults are 15, 5, 15 (for GPUs); 3, 3, 5 was fastest of six shapes tried for SmolLM2-135M
+    on a 2-core CPU. On the engine a step holds at most ``kernels.VERIFY_ROWS`` tokens, so that
+    its matmuls score each candidate as a one-token step would: fewer guesses are sent where the
+    shape asks for more (``extra["guesses"]`` says how many)."""
     if window < 1 or ngram < 2 or guesses < 0:
         raise DecodeError("lookahead needs --window ≥ 1, --ngram ≥ 2 and --guesses ≥ 0")
-    device, start = device_of(model), time.perf_counter()
-    cache = DynamicCache(config=model.config)
-    limit = min((getattr(layer, "sliding_window", None) or 1 << 62) for layer in cache.layers)
+    runner, limit, most_rows = _tree_runner(model)
+    guesses = max(0, min(guesses, (most_rows - 1) // (ngram - 1) - window))
+    if 1 + window * (ngram - 1) > most_rows:
+        raise DecodeError(f"a lookahead step of --window {window} and --ngram {ngram} holds more than {most_rows} "
+                          "tokens, the most the engine scores exactly: make them smaller")
+    start = time.perf_counter()
     context = prompt.reshape(-1).tolist()
     if len(context) + max_new_tokens + window * (ngram - 1) + guesses * (ngram - 1) >= limit:
         raise DecodeError(f"lookahead decoding needs the whole context inside the model's sliding window ({limit} "
@@ -139,8 +179,7 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
     pool.seed(context, ngram)
     generator = torch.Generator().manual_seed(sampling.seed)  # the window's first guesses, and sampling
     rows = [[context[int(i)] for i in torch.randint(len(context), (window,), generator=generator)]]
-    dtype = next(model.parameters()).dtype
-    last_logits = forward_logits(model, prompt, cache, all_logits=False)[-1:]
+    last_logits = runner.forward(prompt, all_logits=False)[-1:]
     _, _, next_token = accept_candidates([], [], last_logits, sampling, generator)
     tokens, forwards, proposed, accepted = [], 1, 0, 0
     while True:
@@ -150,14 +189,10 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
             break
         room = max_new_tokens - len(tokens) - 1  # the bonus token needs a place too
         candidates = [c[:room] for c in pool.get(next_token)] if room > 0 else []
-        t = cache.get_seq_length()
+        t = runner.length
         offsets, block = _layout(len(rows), window, [len(c) for c in candidates])
         ids = [next_token, *(tok for row in rows for tok in row), *(tok for c in candidates for tok in c)]
-        mask = torch.cat([torch.ones(len(ids), t, dtype=torch.bool), block], 1)
-        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
-        out = model(input_ids=torch.tensor([ids], device=device), position_ids=(t + offsets).unsqueeze(0).to(device),
-                    attention_mask=mask[None, None].to(device), past_key_values=cache, use_cache=True)
-        logits = out.logits[0]
+        logits = runner.forward_tree(ids, offsets, block)
         forwards += 1
 
         # Jacobi update of the window (greedy: it only feeds the pool); a full window yields one n-gram per column
@@ -175,7 +210,7 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
         best, n, next_token = accept_candidates(candidates, begins, logits, sampling, generator)
         proposed, accepted = proposed + (len(candidates[0]) if candidates else 0), accepted + n
         kept = list(candidates[best][:n]) if n else []
-        _keep(cache, t + 1, [t + begins[best] + i for i in range(n)] if n else [])
+        runner.keep(t + 1, [t + begins[best] + i for i in range(n)] if n else [])
         stop = next((i for i, tok in enumerate(kept) if tok in eos), None)
         if stop is not None:
             tokens += kept[: stop + 1]
@@ -184,5 +219,6 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
         context += kept
         for i in range(max(0, len(context) - len(kept) - ngram + 1), len(context) - ngram + 1):
             pool.add(context[i], tuple(context[i + 1 : i + ngram]))  # the output seeds the pool too
-    sync(device)
-    return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted)
+    sync(runner.device)
+    return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted,
+                        extra={"guesses": guesses})
