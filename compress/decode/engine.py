@@ -278,14 +278,9 @@ class Engine:
             view.compiled, view.compile_seconds = _compiled(view), 0.0
         return view
 
-    @torch.no_grad()
-    def forward(self, ids: list[int] | torch.Tensor, all_logits: bool = True, exit_when=None) -> torch.Tensor:
-        """Float32 logits of ``ids`` appended to the cache: (len(ids), vocab), or (1, vocab).
-
-        ``exit_when(layer index, state entering the layer, state leaving it) -> bool``: early exit for
-        one token (eager). Once it answers yes, the logits come from that state, and every later
-        layer only writes its keys and values computed from it (CALM's state propagation), so
-        later tokens find a complete cache; ``exited`` then holds the layer (None: no exit)."""
+    def _make_room(self, ids) -> tuple[torch.Tensor, int, int]:
+        """(ids as a tensor, cache slot of the first, how many) for tokens about to be appended:
+        KIVI's window flushed, the context checked, the cache grown where it is too short."""
         ids = torch.as_tensor(ids, device=self.device).reshape(-1)
         if self.kv_scheme is not None:
             self._flush_kv()  # lazily, so a rolled-back candidate is never quantized
@@ -295,6 +290,17 @@ class Engine:
                               "shorten the prompt or ask for fewer new tokens")
         if start + count > self.max_len:
             self._allocate(max(2 * self.max_len, start + count))
+        return ids, start, count
+
+    @torch.no_grad()
+    def forward(self, ids: list[int] | torch.Tensor, all_logits: bool = True, exit_when=None) -> torch.Tensor:
+        """Float32 logits of ``ids`` appended to the cache: (len(ids), vocab), or (1, vocab).
+
+        ``exit_when(layer index, state entering the layer, state leaving it) -> bool``: early exit for
+        one token (eager). Once it answers yes, the logits come from that state, and every later
+        layer only writes its keys and values computed from it (CALM's state propagation), so
+        later tokens find a complete cache; ``exited`` then holds the layer (None: no exit)."""
+        ids, start, count = self._make_room(ids)
         positions = torch.arange(start, start + count, device=self.device)
         if exit_when is not None:
             if count != 1:
@@ -319,15 +325,7 @@ class Engine:
         order, and the matmuls run as in verify steps (up to ``kernels.VERIFY_ROWS`` tokens), so a
         token that sees its prefix gets the logits a one-token step gives it. Eager, also on a
         compiled engine."""
-        ids = torch.as_tensor(ids, device=self.device).reshape(-1)
-        if self.kv_scheme is not None:
-            self._flush_kv()
-        start, count = self.length, ids.numel()
-        if start + count > self.context:
-            raise DecodeError(f"{start + count} tokens do not fit: the model's context is {self.context} tokens; "
-                              "shorten the prompt or ask for fewer new tokens")
-        if start + count > self.max_len:
-            self._allocate(max(2 * self.max_len, start + count))
+        ids, start, count = self._make_room(ids)
         prefix = torch.arange(start, device=self.device)
         seen = [torch.cat([prefix, start + row.nonzero()[:, 0].to(self.device)]) for row in visible]
         positions = start + torch.as_tensor(offsets, device=self.device)
