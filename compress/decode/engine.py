@@ -501,14 +501,10 @@ class _Step(torch.nn.Module):
     def __init__(self, engine: Engine):
         super().__init__()
         self.engine = engine  # a plain attribute: not a module, its tensors are found by identity
-        seen = set()
         for i, t in enumerate(_step_tensors(engine)):
-            # a tied lm_head shares the embedding's storage: give the alias a copy of its own. (Not
-            # named "constant{i}": AOTInductor names its packed weights so, and a buffer of that
-            # name replaced a packed weight in the package, which then computed wrong products.)
-            storage = t.untyped_storage().data_ptr()
-            self.register_buffer(f"engine_tensor{i}", t.clone() if storage in seen else t)
-            seen.add(storage)
+            # not "constant{i}": AOTInductor names its packed weights so, and a buffer of that name
+            # replaced a packed weight in the package, which then computed wrong products
+            self.register_buffer(f"engine_tensor{i}", t)
 
     def forward(self, ids, positions, slots, k_cache, v_cache, rotary):
         """``slots``: a tensor whose length is the span (a shape, so the span stays symbolic);
