@@ -65,8 +65,8 @@ def test_decode_rejects_a_bad_number_before_loading_anything():
 
 def test_decode_prompt_lookup_prints_the_greedy_output():
     prompt = "Repeat after me: the quick brown fox jumps over the lazy dog."
-    # one named kernel: ``auto`` times the formats in each process, and a loaded machine can make
-    # the two processes choose differently (fp32 against bf16 q/k/v), which changes the tokens
+    # one named kernel: ``auto`` keeps its timings per machine, but the first two processes on a
+    # fresh machine may both time, and under load choose differently (fp32 against bf16 q/k/v)
     runs = {method: run("decode", "smollm2-135m", "--prompt", prompt, "--method", method, "--max-new-tokens", "16",
                         "--kernel", "bf16") for method in ("greedy", "prompt-lookup")}
     for result in runs.values():

@@ -156,6 +156,28 @@ def test_kernels_hold_the_weights_they_are_offered_for():
     assert engine.formats["qkv"] == min(engine.timings["qkv"], key=engine.timings["qkv"].get)
 
 
+def test_kernel_timings_are_kept_per_machine(tmp_path, monkeypatch):
+    """``auto`` times a group shape once per machine: a later process (here: the process memory
+    cleared) reads the timings back instead of timing again, so it chooses the same kernels."""
+    from compress.decode import kernels
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernels, "_TIMED", {})
+    model = tiny("llama", layers=2)
+    first = Engine(model, kernel="auto")
+    saved = list((tmp_path / "kernels").glob("timings-*.json"))
+    assert len(saved) == 1 and "qkv" in saved[0].read_text()
+
+    monkeypatch.setattr(kernels, "_TIMED", {})  # a new process
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("timed again")
+
+    monkeypatch.setattr(kernels, "_time_one_row", no_timing)
+    again = Engine(model, kernel="auto")
+    assert again.formats == first.formats and again.timings == first.timings
+
+
 def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding():
     from compress import kvcache
 

@@ -26,7 +26,6 @@ import copy
 import hashlib
 import math
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -534,10 +533,7 @@ def _fingerprint(engine: Engine) -> str:
     """What a compiled package depends on: torch, this machine's CPU, the engine's settings and
     code, and every byte of its weights (a stale package would decode wrong tokens silently)."""
     digest = hashlib.blake2b(digest_size=16)
-    info = Path("/proc/cpuinfo")
-    cpu = [line for line in info.read_text().splitlines() if line.startswith(("model name", "flags"))][:2] \
-        if info.exists() else platform.processor()
-    settings = [torch.__version__, platform.machine(), cpu, str(engine.device), str(engine.dtype),
+    settings = [kernels.machine_key(engine.device), str(engine.device), str(engine.dtype),
                 engine.step_rows, sorted(engine.formats.items()), INDUCTOR_OPTIONS,
                 engine.config.to_json_string()]
     digest.update(repr(settings).encode())

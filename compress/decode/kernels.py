@@ -21,7 +21,9 @@ export loaded by transformers holds its scale and the weight (as int8, or unpack
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import platform
 import time
 from pathlib import Path
 
@@ -29,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models import cache_dir
 from ..quant import QuantizedWeight, QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
-from .loop import sync
+from .loop import sync, write_json
 
 INT4_GROUPS = (32, 64, 128, 256)
 
@@ -422,10 +425,47 @@ def _time_one_row(matmuls: list[Matmul], width: int, dtype: torch.dtype, device:
     return min(times) * 1e3
 
 
-# Timings of a group shape on a device, kept for the process: formats within timing noise of each
-# other would otherwise be chosen differently by two engines over the same model (and compute
-# differently: bf16 and fp32 round differently), which would make their outputs incomparable.
-_TIMED: dict[tuple, dict[str, float]] = {}
+def machine_key(device: torch.device) -> str:
+    """What a timing or a compiled kernel depends on: torch, the CPU (model and ISA flags) or GPU."""
+    info = Path("/proc/cpuinfo")
+    cpu = [line for line in info.read_text().splitlines() if line.startswith(("model name", "flags"))][:2] \
+        if info.exists() else [platform.processor()]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return repr([torch.__version__, platform.machine(), cpu, gpu])
+
+
+# Timings of a group shape on a device, kept on disk per machine (``_timings_file``): formats
+# within timing noise of each other would otherwise be chosen differently by two runs, or two
+# engines, over the same model (and compute differently: bf16 and fp32 round differently), and
+# then their tokens would differ at near-ties.
+_TIMED: dict[str, dict[str, float]] = {}
+
+
+def _timings_file(device: torch.device) -> Path:
+    digest = hashlib.blake2b(machine_key(device).encode(), digest_size=8).hexdigest()
+    return cache_dir() / "kernels" / f"timings-{digest}.json"
+
+
+def _timed(key: str, device: torch.device) -> dict[str, float] | None:
+    """The timings of ``key`` measured earlier on this machine (this process, or one before)."""
+    if key not in _TIMED:
+        path = _timings_file(device)
+        try:
+            _TIMED.update({k: v for k, v in json.loads(path.read_text()).items() if k not in _TIMED})
+        except (OSError, ValueError):
+            pass  # none yet, or unreadable: time again
+    return _TIMED.get(key)
+
+
+def _keep_timed(key: str, measured: dict[str, float], device: torch.device) -> None:
+    _TIMED[key] = measured
+    path = _timings_file(device)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        write_json(path, saved | {key: measured}, indent=1)
+    except (OSError, ValueError):
+        pass  # a read-only or damaged cache: this process still keeps the timings
 
 
 def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
@@ -455,16 +495,17 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
         if kernel == "auto" and len(exact) == 1:
             formats[name] = exact[0]
         elif kernel == "auto":
-            key = (str(device), name, len(layers), tuple((lin.out_features, lin.in_features) for lin in layers[0]),
-                   tuple(exact))
-            if key not in _TIMED:
+            key = repr((str(device), name, len(layers), [(lin.out_features, lin.in_features) for lin in layers[0]],
+                        exact))
+            measured = _timed(key, device)
+            if measured is None:
                 width, measured = layers[0][0].in_features, {}
                 for fmt in exact:
                     built = [build(fmt, lins, device) for lins in layers]
                     measured[fmt] = _time_one_row(built, width, torch.float32, device)
                     del built
-                _TIMED[key] = measured
-            timings[name] = _TIMED[key]
+                _keep_timed(key, measured, device)
+            timings[name] = measured
             formats[name] = min(timings[name], key=timings[name].get)
         elif kernel in exact or exact == ["w8a8"]:  # W8A8 has one format
             formats[name] = kernel if kernel in exact else exact[0]
