@@ -2,7 +2,9 @@
 (fp32 and bf16) and on tiny random models of every supported family, a k-token verify equals k
 one-token steps, and rollback, kernels, speculation and bad input behave."""
 
+import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -214,6 +216,10 @@ def test_compiled_step_computes_what_the_eager_step_computes(model_type, package
     agrees with the eager step to fp32 rounding, through a cache that grows past the prompt; a
     second engine over the same weights loads the package from disk and computes the same bits."""
     model = tiny(model_type, layers=2)
+    package_folder.mkdir(parents=True)
+    stale, live = package_folder / "old.1.partial.pt2", package_folder / "new.2.partial.pt2"
+    stale.write_bytes(b"killed"), live.write_bytes(b"being written")
+    os.utime(stale, (time.time() - 2 * 86400,) * 2)  # a writer killed two days ago
     eager, compiled = Engine(model, kernel="fp32"), Engine(model, kernel="fp32", compile=True)
     prompt = _prompt()[0].tolist()
     eager.forward(prompt), compiled.forward(prompt)
@@ -224,7 +230,8 @@ def test_compiled_step_computes_what_the_eager_step_computes(model_type, package
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         outputs.append(got)
     assert compiled.compile_seconds > 0 and compiled.compiled.built
-    assert [p.name for p in package_folder.iterdir()] == [compiled.compiled.path.name]  # no partial file left
+    # its own partial file renamed, a stale one removed, another process's recent one kept
+    assert {p.name for p in package_folder.iterdir()} == {compiled.compiled.path.name, live.name}
 
     again = Engine(model, kernel="fp32", compile=True)
     again.forward(prompt)

@@ -22,6 +22,7 @@ Supported: Llama, Mistral, Qwen2, Qwen3 and Gemma-3 text blocks (q/k norms, sand
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
@@ -576,6 +577,10 @@ def _compiled(engine: Engine):
         with torch.no_grad():
             program = torch.export.export(_Step(engine), example, dynamic_shapes=dynamic, strict=False)
         path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in path.parent.glob("*.partial.pt2"):  # ours, left by a writer killed a day ago or more
+            with contextlib.suppress(OSError):  # (another process may remove it first)
+                if time.time() - stale.stat().st_mtime > 86400:
+                    stale.unlink()
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # the packager wants .pt2
         try:
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
