@@ -197,7 +197,7 @@ class Engine:
             raise DecodeError(f"step_rows={step_rows}: give 1 to {kernels.VERIFY_ROWS}")
         self.step_rows = step_rows
         if compile and self.graphs:  # see docs/results.md: both ways failed on an H100
-            self.note = "torch.compile is not combined with CUDA graphs yet; the graphs run uncompiled"
+            self.note = "compiling is not combined with CUDA graphs yet; the graphs run uncompiled"
             print(f"[decode engine: {self.note}]", file=sys.stderr)
         elif compile:
             if not USER_INDUCTOR_CACHE:
@@ -353,7 +353,7 @@ class Engine:
             logits = self.compiled(padded, positions, span)
         except Exception as e:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower: run eager
             why = (str(e).splitlines() or [""])[0][:120]
-            self.compiled, self.note = None, f"torch.compile failed ({type(e).__name__}: {why}); running eager"
+            self.compiled, self.note = None, f"compiling failed ({type(e).__name__}: {why}); running eager"
             print(f"[decode engine: {self.note}]", file=sys.stderr)
             return self.logits(self._body(ids, positions[:count], start + count))
         if first:

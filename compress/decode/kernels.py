@@ -181,7 +181,7 @@ class Matmul:
         return (y if self.bias is None else y + self.bias).to(x.dtype)
 
     def traced(self, x: torch.Tensor) -> torch.Tensor:
-        """The product as ``torch.compile`` sees it: ops it can trace (and, with frozen weights, prepack)."""
+        """The product as the compiler sees it: ops it can trace (and, with frozen weights, prepack)."""
         return self.matmul(x)
 
     def tensors(self) -> list[torch.Tensor]:
@@ -479,7 +479,7 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
     a format name is used where it is exact, elsewhere bf16 (for a format that takes bf16
     rows, so the stream stays bf16) or fp32. ``lossy`` names a
     format per group to use whatever the weights are. ``compiled`` (a CPU engine under
-    ``torch.compile``): the float formats all become the compiler's own GEMM, so ``auto``
+    AOTInductor): the float formats all become the compiler's own GEMM, so ``auto``
     offers only bf16 among them where it is exact (half the bytes of fp32; what eager
     timings say of oneDNN and MKL does not carry over).
     """
