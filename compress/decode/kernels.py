@@ -100,6 +100,19 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 
+@functools.cache
+def onednn_bf16_available() -> bool:
+    """Whether oneDNN takes bf16 weights on this CPU: it needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT,
+    so an AVX2-only part (AMD Zen 1–3) runs bf16 through aten's ``F.linear`` instead."""
+    if not onednn_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
 def use_onednn(model: nn.Module) -> int:
     """Swap every plain fp32 CPU linear for a ``OneDNNLinear`` (in place); returns how many.
     Decoding only: the swapped linears do not train."""
@@ -208,10 +221,12 @@ class Matmul:
 
 
 class Dense(Matmul):
-    """``F.linear`` in fp32 (MKL's GEMV for one row), or in the model's dtype on an accelerator."""
+    """``F.linear`` in fp32 (MKL's GEMV for one row), in bf16 on a CPU whose oneDNN takes no bf16
+    weights, or in the model's dtype on an accelerator."""
 
     def __init__(self, weight: torch.Tensor, bias, dtype: torch.dtype = torch.float32):
-        self.dtype, self.fmt = dtype, "fp32" if dtype == torch.float32 else str(dtype).removeprefix("torch.")
+        self.dtype = dtype
+        self.fmt = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype).removeprefix("torch."))
         self.device = weight.device
         super().__init__(bias)
         self.weight = weight.to(dtype).contiguous()
@@ -369,6 +384,8 @@ def build(fmt: str, linears: list, device: torch.device, traceable: bool = False
         return Dense(weight(), bias, linears[0].weight.dtype)
     if fmt == "fp32":
         return Dense(weight(), bias)
+    if fmt == "bf16" and not onednn_bf16_available():
+        return Dense(weight(), bias, torch.bfloat16)
     if fmt in ("fp32-onednn", "bf16"):
         return OneDNN(weight(), bias, torch.float32 if fmt == "fp32-onednn" else torch.bfloat16, traceable)
     if fmt == "w8a8":
