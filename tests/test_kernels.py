@@ -29,6 +29,8 @@ def test_int4_format_on_an_export_computes_the_dequantized_weights(symmetric, tm
     x = torch.randn(3, down.in_features).bfloat16().float()  # bf16 values: the kernel's input is exact
     int4 = kernels.build("int4", [down], CPU)
     torch.testing.assert_close(int4(x), x @ down.weight.T, atol=2e-2, rtol=1e-2)  # bf16 output rounding
+    prompt = torch.randn(kernels.VERIFY_ROWS + 4, down.in_features).bfloat16().float()  # the dequantized GEMM
+    torch.testing.assert_close(int4(prompt), prompt @ down.weight.T, atol=2e-2, rtol=1e-2)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     on_int4, on_bf16 = Engine(reloaded, kernel="int4"), Engine(reloaded, kernel="bf16")
     assert [on_int4.formats[g] for g in ("qkv", "o", "gate_up", "down")] == ["int4"] * 4
@@ -79,3 +81,24 @@ def test_onednn_linears_compute_what_the_model_computes():
     with torch.no_grad():  # multi-row (oneDNN) and single-row (MKL) paths both
         torch.testing.assert_close(model(prompt).logits, before, atol=1e-5, rtol=1e-5)
     assert greedy(model, prompt, 12).tokens == plain
+
+
+def test_bf16_without_onednn_runs_on_aten_and_decodes_as_with_it(monkeypatch):
+    """AVX2-only CPUs: oneDNN refuses bf16 weights, so bf16 runs on aten's ``F.linear`` (one row),
+    an upcast fp32 GEMM (prompts) and, compiled, one-row steps. Forced here on any CPU."""
+    model = tiny("llama").to(torch.bfloat16)
+    prompt = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    reference = greedy(Engine(model, kernel="bf16"), prompt, 12).tokens
+    monkeypatch.setattr(kernels, "onednn_bf16_available", lambda: False)
+    down = model.model.layers[0].mlp.down_proj
+    matmul = kernels.build("bf16", [down], CPU)
+    assert isinstance(matmul, kernels.Dense) and matmul.one_row_kernel
+    assert not kernels.rows_ride_along("bf16") and kernels.rows_ride_along("fp32")
+    x = torch.randn(kernels.VERIFY_ROWS + 4, down.in_features).bfloat16()  # a prompt's rows: the fp32 GEMM
+    product = x.float() @ down.weight.float().T
+    for rows in (1, len(x)):
+        torch.testing.assert_close(matmul(x[:rows]).float(), product[:rows], atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(matmul.traced(x[:1]).float(), product[:1], atol=2e-2, rtol=1e-2)
+    engine = Engine(model, kernel="bf16")
+    assert engine.dtype == torch.bfloat16
+    assert greedy(engine, prompt, 12).tokens == reference

@@ -192,7 +192,7 @@ class Engine:
         self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
         self.compiled, self.compile_seconds, self.note, self.exited = None, 0.0, "", None
         if step_rows is None:  # extra rows ride along with a float GEMM's weight reads, not an integer kernel's
-            step_rows = STEP_ROWS if all(f in kernels.FLOAT_FORMATS for f in self.formats.values()) else 1
+            step_rows = STEP_ROWS if all(kernels.rows_ride_along(f) for f in self.formats.values()) else 1
         if not 1 <= step_rows <= kernels.VERIFY_ROWS:
             raise DecodeError(f"step_rows={step_rows}: give 1 to {kernels.VERIFY_ROWS}")
         self.step_rows = step_rows
@@ -430,8 +430,10 @@ class Engine:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             cos, sin = rotary[layer.rotary]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            k_cache[0, :, slots] = k
-            v_cache[0, :, slots] = v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)
+            # index_copy_ on the cache itself, not an assignment through a view of it: compiled,
+            # the assignment became a copy of the whole cache and a copy back, every layer and step
+            k_cache.index_copy_(2, slots, k[None])
+            v_cache.index_copy_(2, slots, v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)[None])
             if exited is not None:  # after an early exit a layer only writes its keys and values
                 continue
             if tree is not None:

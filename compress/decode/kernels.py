@@ -231,8 +231,14 @@ class Dense(Matmul):
         super().__init__(bias)
         self.weight = weight.to(dtype).contiguous()
         self.nbytes, (self.out_features, self.in_features) = self.weight.nbytes, weight.shape
+        # where oneDNN takes no bf16 weights, aten's bf16 product is fast for one row only
+        self.one_row_kernel = self.device.type == "cpu" and dtype == torch.bfloat16
 
     def matmul(self, x):
+        if self.one_row_kernel and x.shape[0] > VERIFY_ROWS:
+            # a prompt: MKL's fp32 GEMM over an upcast copy (300 rows × 576→3072 on an AVX2 EPYC:
+            # 7.7 ms against 59 ms in bf16); within bf16 rounding of the bf16 product
+            return F.linear(x.float(), self.weight.float()).to(x.dtype)
         return F.linear(x, self.weight)
 
 
@@ -260,14 +266,21 @@ class OneDNN(Matmul):
 
 class Int4(Matmul):
     """torch's packed-int4 CPU kernel (tinygemm layout, ``u = q + 8``, ``zero = −z·scale``), fed
-    bf16 rows: its fp32 path is 20–30× slower on every CPU measured here."""
+    bf16 rows: its fp32 path is 20–30× slower on every CPU measured here.
+
+    The kernel works row by row, so a prompt (more than ``VERIFY_ROWS`` rows) runs MKL's fp32 GEMM
+    over weights dequantized for the call from a second copy of the codes, two a byte in a layout
+    of ours (the kernel's own packing differs between AVX2 and AVX-512 builds): half a byte more
+    memory per weight, none of it read by a decoded token."""
 
     fmt, dtype = "int4", torch.bfloat16
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias):
         super().__init__(bias)
         self.group_size = q.shape[1] // scale.shape[1]
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
+        u = (q.to(torch.int32) + 8).contiguous()
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
+        self.codes = (u[:, 0::2] | u[:, 1::2] << 4).to(torch.uint8)
         scale = scale.float()
         self.scales_and_zeros = torch.stack([scale, -zero.float() * scale], -1).transpose(0, 1).contiguous() \
             .to(self.dtype)
@@ -275,7 +288,15 @@ class Int4(Matmul):
         self.out_features, self.in_features = q.shape
 
     def matmul(self, x):
+        if x.shape[0] > VERIFY_ROWS and not torch.compiler.is_compiling():
+            return F.linear(x.float(), self.dequantized()).to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
+
+    def dequantized(self) -> torch.Tensor:
+        """The fp32 weights the kernel computes with: ``(u − 8)·scale + zero`` per group."""
+        u = torch.stack([self.codes & 15, self.codes >> 4], -1).view(self.out_features, -1, self.group_size)
+        scale, zero = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
+        return ((u.float() - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
 
 
 class Int4CUDA(Matmul):
@@ -330,6 +351,13 @@ class W8A8(Matmul):
         scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp(min=1e-8)
         q = torch.round(x / scale).clamp(-128, 127).to(torch.int8)
         return torch._int_mm(q, self.weight_t).float() * scale * self.scale
+
+
+def rows_ride_along(fmt: str) -> bool:
+    """Whether a few more rows cost the format little beyond its weight reads (a float GEMM), so a
+    compiled step can verify several tokens for the price of one. Not for integer kernels, which
+    work row by row, nor for bf16 where oneDNN cannot take it (``Dense.one_row_kernel``)."""
+    return fmt in FLOAT_FORMATS and (fmt != "bf16" or onednn_bf16_available())
 
 
 def takes_bf16(fmt: str) -> bool:
