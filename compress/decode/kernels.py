@@ -234,6 +234,10 @@ class Dense(Matmul):
         # where oneDNN takes no bf16 weights, aten's bf16 product is fast for one row only
         self.one_row_kernel = self.device.type == "cpu" and dtype == torch.bfloat16
 
+    @functools.cached_property
+    def exact_rows(self) -> int:
+        return 1 if self.one_row_kernel else super().exact_rows  # verify rows as one-row GEMVs
+
     def matmul(self, x):
         if self.one_row_kernel and x.shape[0] > VERIFY_ROWS:
             # a prompt: MKL's fp32 GEMM over an upcast copy (300 rows × 576→3072 on an AVX2 EPYC:
@@ -266,21 +270,14 @@ class OneDNN(Matmul):
 
 class Int4(Matmul):
     """torch's packed-int4 CPU kernel (tinygemm layout, ``u = q + 8``, ``zero = −z·scale``), fed
-    bf16 rows: its fp32 path is 20–30× slower on every CPU measured here.
-
-    The kernel works row by row, so a prompt (more than ``VERIFY_ROWS`` rows) runs MKL's fp32 GEMM
-    over weights dequantized for the call from a second copy of the codes, two a byte in a layout
-    of ours (the kernel's own packing differs between AVX2 and AVX-512 builds): half a byte more
-    memory per weight, none of it read by a decoded token."""
+    bf16 rows: its fp32 path is 20–30× slower on every CPU measured here."""
 
     fmt, dtype = "int4", torch.bfloat16
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias):
         super().__init__(bias)
         self.group_size = q.shape[1] // scale.shape[1]
-        u = (q.to(torch.int32) + 8).contiguous()
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(u, 1)
-        self.codes = (u[:, 0::2] | u[:, 1::2] << 4).to(torch.uint8)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
         scale = scale.float()
         self.scales_and_zeros = torch.stack([scale, -zero.float() * scale], -1).transpose(0, 1).contiguous() \
             .to(self.dtype)
@@ -288,15 +285,7 @@ class Int4(Matmul):
         self.out_features, self.in_features = q.shape
 
     def matmul(self, x):
-        if x.shape[0] > VERIFY_ROWS and not torch.compiler.is_compiling():
-            return F.linear(x.float(), self.dequantized()).to(x.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
-
-    def dequantized(self) -> torch.Tensor:
-        """The fp32 weights the kernel computes with: ``(u − 8)·scale + zero`` per group."""
-        u = torch.stack([self.codes & 15, self.codes >> 4], -1).view(self.out_features, -1, self.group_size)
-        scale, zero = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)
-        return ((u.float() - 8) * scale[..., None] + zero[..., None]).view(self.out_features, self.in_features)
 
 
 class Int4CUDA(Matmul):
