@@ -14,12 +14,11 @@ from pathlib import Path
 
 import torch
 
-from . import data, export, kvcache, lowrank, models
+from . import data, export, kvcache, memory, models
 from .evaluate import evaluate, windows_of
+from .passes import ModelPass
 from .pipeline import run_passes
-from .quant import quantized_of
 from .recipe import Recipe
-from .sparsity import measured_sparsity
 
 
 def peak_rss_gb() -> float:
@@ -39,7 +38,7 @@ class Report:
     kv_bytes_per_token: float | None  # quantized KV cache, scales included (bf16 dense: see kvcache)
     size_mb: float
     compress_s: float
-    peak_rss_gb: float  # up to the end of compression (evaluation loads a second model)
+    peak_rss_gb: float  # the whole run, evaluation included
     training: dict = field(default_factory=dict)  # recovery passes: loss of the first and last tenth of the steps
     eval: dict = field(default_factory=dict)
 
@@ -47,64 +46,74 @@ class Report:
         return asdict(self)
 
 
-def bits_per_weight(model) -> float | None:
-    total, bits = 0, 0.0
-    for m in model.modules():
-        qw = quantized_of(m)
-        if qw is not None:
-            n = qw.q.numel()
-            bits += qw.scheme.bits_per_weight(qw.q.shape[1], 8 * qw.scale.element_size()) * n
-            total += n
-    return bits / total if total else None
-
-
 def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | None = None,
           device: str | None = None, dtype: str = "bfloat16", seed: int | None = None, overwrite: bool = False,
           evaluate_after: bool = True, eval_windows: int | None = None, eval_seqlen: int | None = None,
-          samples: int | None = None) -> Report:
+          samples: int | None = None, max_shard_mb: int | None = None) -> Report:
+    """Read the model a block at a time, compress each block and write it to the export at once,
+    then evaluate the export against the original, again a block at a time."""
     source = model_source or recipe.model
+    if max_shard_mb is not None and max_shard_mb < 1:
+        raise export.ExportError(f"--max-shard-mb must be at least 1; got {max_shard_mb}")
     seed = recipe.seed if seed is None else seed
     out = Path(output or Path("out") / f"{recipe.name}-{Path(source).name}")
     export.check_output(out, overwrite)
     dev, torch_dtype = models.pick_device(device), models.parse_dtype(dtype)
     torch.manual_seed(seed)
 
-    loaded = models.load(source, torch_dtype)
+    loaded = models.open_streamed(source, torch_dtype)
     model, tokenizer = loaded.model, loaded.tokenizer
     for p in recipe.passes:
-        p.check(model)  # shapes, group sizes, patterns: before any compute
+        p.check(model.model)  # shapes, group sizes, patterns: before any compute
     ev = recipe.evaluation
     seqlen, windows = eval_seqlen or ev.seqlen, eval_windows or ev.windows
     eval_data = windows_of(tokenizer, ev.ppl, seqlen, windows) if evaluate_after and ev.ppl else None
+    cal = recipe.calibration
+    whole = recipe.needs_data and cal.source == data.SELF or any(isinstance(p, ModelPass) for p in recipe.passes)
+    n_samples = (samples or cal.samples) if recipe.needs_data else 0
+    need = memory.plan(model, recipe.passes, dev, n_samples, cal.seqlen, windows if eval_data is not None else 0,
+                       seqlen, whole)
+    print(f"[compress] memory plan: {need.describe()}", flush=True)
+    memory.check(need, dev)
+    if whole:
+        model.load_all()  # data-free calibration generates with the whole model; recovery trains it
 
     start = time.perf_counter()
     ids, calib_what = None, "none (no pass needs data)"
     if recipe.needs_data:
-        cal = recipe.calibration
-        ids, calib_what = data.calibration_batches(model, tokenizer, cal.source, samples or cal.samples,
+        ids, calib_what = data.calibration_batches(model.model, tokenizer, cal.source, samples or cal.samples,
                                                    cal.seqlen, seed)
-    teacher = run_passes(model, ids, recipe.passes, dev, lambda: models.load(source, torch_dtype).model)
-    compress_s = time.perf_counter() - start
+    writer = export.Export(out, overwrite, (max_shard_mb or export.MAX_SHARD_BYTES // 2**20) * 2**20)
+    try:
+        prefix = model.prefix
+        run_passes(model, ids, recipe.passes, dev, lambda: models.open_streamed(source, torch_dtype).model.load_all(),
+                   on_block=lambda i, block: writer.add(block, f"{prefix}{i}."))
+        writer.add(model.model, skip=prefix.rstrip("."))
+        compress_s = time.perf_counter() - start
+        totals = writer.totals
+        bpw, sparsity, kept = totals.bits_per_weight(), totals.sparsity(), totals.params_kept()
+        kv = kvcache.bytes_per_token(model.model)
+        method = " + ".join(p.summary() for p in recipe.passes)
+        manifest = {"recipe": recipe.name, "base_model": source, "method": method, "seed": seed,
+                    "calibration": calib_what, "bits_per_weight": bpw, "sparsity": sparsity, "params_kept": kept,
+                    "kv_bytes_per_token": kv, "dtype": dtype}
+    except BaseException:
+        writer.abort()
+        raise
+    writer.finish(model.model, tokenizer, recipe.text, manifest)
     rss = peak_rss_gb()
-
-    method = " + ".join(p.summary() for p in recipe.passes)
-    bpw, sparsity, kept = bits_per_weight(model), measured_sparsity(model), lowrank.params_kept(model)
-    kv = kvcache.bytes_per_token(model)
-    manifest = {"recipe": recipe.name, "base_model": source, "method": method, "seed": seed,
-                "calibration": calib_what, "bits_per_weight": bpw, "sparsity": sparsity, "params_kept": kept,
-                "kv_bytes_per_token": kv, "dtype": dtype}
-    export.export(model, tokenizer, out, recipe.text, manifest, overwrite=overwrite)
     report = Report(recipe.name, source, method, str(out), calib_what, bpw, sparsity, kept, kv,
                     export.size_on_disk(out) / 1e6, compress_s, rss,
                     training={p.where: p.log for p in recipe.passes if getattr(p, "log", None)})
+    del model, loaded
 
     if eval_data is not None:
-        reference = None
-        if ev.kl:
-            reference = models.for_compute(teacher if teacher is not None else models.load(source, torch_dtype).model, dev)
-        result = evaluate(models.for_compute(model, dev), tokenizer, ev.ppl, seqlen, windows, reference=reference,
-                          data=eval_data)
+        compressed = models.open_streamed(str(out), torch_dtype).model  # what was written, read back
+        reference = models.open_streamed(source, torch_dtype).model if ev.kl else None
+        result = evaluate(compressed, tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data,
+                          device=dev)
         report.eval = result.as_dict()
+        report.peak_rss_gb = peak_rss_gb()
     (out / "report.json").write_text(json.dumps(report.as_dict(), indent=2))
     return report
 

@@ -28,6 +28,7 @@ class Arch:
     scalings: tuple[Scaling, ...]
     norm_plus_one: bool = False
     layers: str = "model.layers"
+    norm: str = "model.norm"  # the final norm, between the last block and the head
 
 
 _ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")

@@ -16,10 +16,13 @@ from .arch import UnknownArchitecture
 from .data import DataError
 from .decode import DecodeError
 from .export import MANIFEST, ExportError
+from .lazy import CheckpointError
+from .memory import MemoryPlanError
 from .models import DEFAULT_MODEL, ModelLoadError
 from .passes import RecipeError
 
-USER_ERRORS = (RecipeError, ModelLoadError, DataError, ExportError, UnknownArchitecture, DecodeError)
+USER_ERRORS = (RecipeError, ModelLoadError, DataError, ExportError, UnknownArchitecture, DecodeError, CheckpointError,
+               MemoryPlanError)
 
 
 def _apply(args) -> None:
@@ -29,7 +32,7 @@ def _apply(args) -> None:
     recipe = recipes.load(args.recipe)
     report = apply(recipe, args.model, args.output, args.device, args.dtype, args.seed, args.overwrite,
                    evaluate_after=not args.no_eval, eval_windows=args.windows, eval_seqlen=args.seqlen,
-                   samples=args.samples)
+                   samples=args.samples, max_shard_mb=args.max_shard_mb)
     print()
     print(f"model: {report.model}    output: {report.output}")
     print(f"calibration: {report.calibration}")
@@ -49,15 +52,13 @@ def _eval(args) -> None:
 
     dtype = models.parse_dtype(args.dtype)
     device = models.pick_device(args.device)
-    loaded = models.load(args.model, dtype)
+    loaded = models.open_streamed(args.model, dtype)  # a block at a time: no model is held whole
     reference = args.reference
     manifest = Path(args.model) / MANIFEST
     if reference is None and manifest.exists():
         reference = json.loads(manifest.read_text()).get("base_model")
-    ref_model = (models.for_compute(models.load(reference, dtype).model, device)
-                 if reference and reference != "none" else None)
-    result = evaluate(models.for_compute(loaded.model, device), loaded.tokenizer, args.ppl, args.seqlen, args.windows,
-                      ref_model)
+    ref_model = models.open_streamed(reference, dtype).model if reference and reference != "none" else None
+    result = evaluate(loaded.model, loaded.tokenizer, args.ppl, args.seqlen, args.windows, ref_model, device=device)
     print(f"model: {args.model}    reference: {reference or 'none'}")
     print(f"protocol: {result.protocol}")
     print(f"perplexity: {result.ppl:.4f}")
@@ -254,6 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--windows", type=int, help="evaluation windows (overrides the recipe)")
     p.add_argument("--seqlen", type=int, help="evaluation window length (overrides the recipe)")
     p.add_argument("--no-eval", action="store_true", help="skip evaluation")
+    p.add_argument("--max-shard-mb", type=int, help="largest safetensors shard of the export (default 2048)")
     common(p)
     p.set_defaults(func=_apply)
 

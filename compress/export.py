@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from safetensors.torch import save_file
 
 from . import kvcache, lowrank
 from .quant import ActivationScheme, QuantizedWeight, QuantScheme, input_quant_of, quantized_of
+from .sparsity import prune_mask_of
 
 MAX_SHARD_BYTES = 2 * 1024**3
 MANIFEST = "compress_manifest.json"
@@ -69,33 +71,17 @@ def _packed_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     return out
 
 
-def _format(model: torch.nn.Module) -> str:
-    """``int-quantized`` when activations are quantized too (W8A8), else ``pack-quantized``."""
-    w8a8 = [name for name, m in model.named_modules() if input_quant_of(m) is not None]
-    if not w8a8:
-        return "pack-quantized"
-    for name in w8a8:
-        qw = quantized_of(model.get_submodule(name))
-        if qw is None or qw.scheme.bits != 8:
-            raise ExportError(f"{name} has int8 activations but {'dense' if qw is None else qw.scheme.describe()} "
-                              "weights; W8A8 needs 8-bit weights on the same linears")
-    return "int-quantized"
-
-
-def quantization_config(model: torch.nn.Module) -> dict | None:
-    """compressed-tensors config: one group per distinct scheme, every other linear ignored."""
+def quantization_config(linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None],
+                        fmt: str) -> dict | None:
+    """compressed-tensors config: one group per distinct scheme, every other linear ignored.
+    ``linears`` maps each linear's name to its (weight, input) schemes, None when dense."""
     import compressed_tensors
     from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
 
     by_scheme: dict[tuple[QuantScheme, ActivationScheme | None], list[str]] = {}
-    dense_linears = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            qw = quantized_of(module)
-            if qw is None:
-                dense_linears.append(name)
-            else:
-                by_scheme.setdefault((qw.scheme, input_quant_of(module)), []).append(name)
+    for name, schemes in linears.items():
+        if schemes is not None:
+            by_scheme.setdefault(schemes, []).append(name)
     if not by_scheme:
         return None
     single = len(by_scheme) == 1
@@ -104,63 +90,94 @@ def quantization_config(model: torch.nn.Module) -> dict | None:
                                          input_activations=_activation_args(act) if act else None)
         for i, ((scheme, act), names) in enumerate(by_scheme.items())
     }
-    config = QuantizationConfig(
-        config_groups=groups, format=_format(model), quantization_status="compressed",
-        ignore=dense_linears if single else [],
-    )
+    dense = [name for name, schemes in linears.items() if schemes is None]
+    config = QuantizationConfig(config_groups=groups, format=fmt, quantization_status="compressed",
+                                ignore=dense if single else [])
     data = config.model_dump(exclude=["quant_method"])
     data.update(quant_method="compressed-tensors", version=compressed_tensors.__version__, sparsity_config={},
                 transform_config={})
     return data
 
 
-def _state_dict(model: torch.nn.Module):
-    """(name, tensor) pairs to save: quantized linears packed, tied tensors once."""
-    quantized = {name: qw for name, m in model.named_modules() if (qw := quantized_of(m)) is not None}
-    tensors_of = _int8_tensors if _format(model) == "int-quantized" else _packed_tensors
-    seen = set()
-    for key, tensor in model.state_dict().items():
-        module, _, leaf = key.rpartition(".")
-        if module in quantized:
-            if leaf == "weight":
-                yield from tensors_of(module, quantized[module]).items()
-            continue
-        if tensor.data_ptr() in seen:  # tied lm_head / embeddings
-            continue
-        seen.add(tensor.data_ptr())
-        yield key, tensor
+# safetensors orders a file's tensors by dtype (this rank, descending), then by name
+_ST_DTYPES = {torch.bool: ("BOOL", 0), torch.uint8: ("U8", 4), torch.int8: ("I8", 5), torch.int16: ("I16", 9),
+              torch.float16: ("F16", 11), torch.bfloat16: ("BF16", 12), torch.int32: ("I32", 13),
+              torch.float32: ("F32", 15), torch.float64: ("F64", 17), torch.int64: ("I64", 18)}
 
 
-def _write_shards(model, folder: Path) -> list[str]:
-    shards, current, size = [], {}, 0
-    for key, tensor in _state_dict(model):
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and size + nbytes > MAX_SHARD_BYTES:
-            shards.append(current)
-            current, size = {}, 0
-        current[key] = tensor.detach().cpu().contiguous()
-        size += nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata={"format": "pt"})
-        return ["model.safetensors"]
-    names, index = [], {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / fname, metadata={"format": "pt"})
-        names.append(fname)
-        index.update({k: fname for k in shard})
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}, indent=2))
-    return names
+class ShardWriter:
+    """safetensors shards written one tensor at a time, so an export never holds more than one
+    tensor: each tensor's bytes go to a scratch file as it arrives; a full shard is then laid out
+    exactly as ``safetensors.torch.save_file`` lays it out (the tests compare the bytes)."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int = MAX_SHARD_BYTES):
+        self.folder, self.max_bytes = folder, max_shard_bytes
+        self.done: list[tuple[Path, list[str]]] = []  # finished shards and their keys
+        self._open_shard()
+
+    def _open_shard(self) -> None:
+        self.data_path = self.folder / f".shard-{len(self.done)}.data"
+        self.data = open(self.data_path, "wb")
+        self.entries: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
+        self.size = 0
+
+    def add(self, key: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in _ST_DTYPES:
+            raise ExportError(f"{key}: cannot store dtype {tensor.dtype} in safetensors here")
+        t = tensor.detach().to("cpu").contiguous()
+        nbytes = t.numel() * t.element_size()
+        if self.entries and self.size + nbytes > self.max_bytes:
+            self._finish_shard()
+            self._open_shard()
+        self.data.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self.entries.append((key, t.dtype, tuple(t.shape), self.size, nbytes))
+        self.size += nbytes
+
+    def _finish_shard(self) -> None:
+        self.data.close()
+        order = sorted(self.entries, key=lambda e: (-_ST_DTYPES[e[1]][1], e[0]))
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for key, dtype, shape, _, nbytes in order:
+            header[key] = {"dtype": _ST_DTYPES[dtype][0], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)
+        path = self.folder / f".shard-{len(self.done)}.safetensors"
+        with open(path, "wb") as out, open(self.data_path, "rb") as data:
+            out.write(len(text).to_bytes(8, "little"))
+            out.write(text)
+            for _, _, _, start, nbytes in order:
+                data.seek(start)
+                while nbytes:
+                    chunk = data.read(min(nbytes, 1 << 24))
+                    out.write(chunk)
+                    nbytes -= len(chunk)
+        self.data_path.unlink()
+        self.done.append((path, [e[0] for e in self.entries]))
+
+    def close(self) -> list[str]:
+        """Name the shards as transformers does (one: model.safetensors; more: an index)."""
+        self._finish_shard()
+        if len(self.done) == 1:
+            os.replace(self.done[0][0], self.folder / "model.safetensors")
+            return ["model.safetensors"]
+        names, index = [], {}
+        for i, (path, keys) in enumerate(self.done):
+            name = f"model-{i + 1:05d}-of-{len(self.done):05d}.safetensors"
+            os.replace(path, self.folder / name)
+            names.append(name)
+            index.update({k: name for k in keys})
+        (self.folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": dict(sorted(index.items()))}, indent=2))
+        return names
 
 
 ADAPTER = "adapter"
 
 
-def _write_adapter(model: torch.nn.Module, folder: Path) -> None:
+def _write_adapter(loras: dict[str, tuple[torch.Tensor, torch.Tensor]], folder: Path) -> None:
     """Low-rank corrections kept on linears (``linear.lora = (B, A)``) as a PEFT LoRA adapter with
     scale 1 (lora_alpha = r): ``PeftModel.from_pretrained(base, folder / "adapter")`` applies it."""
-    loras = {name: m.lora for name, m in model.named_modules() if getattr(m, "lora", None) is not None}
     if not loras:
         return
     from peft import LoraConfig
@@ -174,8 +191,8 @@ def _write_adapter(model: torch.nn.Module, folder: Path) -> None:
     config.save_pretrained(folder / ADAPTER)
     tensors = {}
     for name, (B, A) in loras.items():
-        tensors[f"base_model.model.{name}.lora_A.weight"] = A.detach().cpu().contiguous()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = B.detach().cpu().contiguous()
+        tensors[f"base_model.model.{name}.lora_A.weight"] = A
+        tensors[f"base_model.model.{name}.lora_B.weight"] = B
     save_file(tensors, folder / ADAPTER / "adapter_model.safetensors", metadata={"format": "pt"})
 
 
@@ -203,43 +220,153 @@ def check_output(out: Path, overwrite: bool) -> None:
         raise ExportError(f"output {out} exists; pass --overwrite or choose another --output")
 
 
-def export(model, tokenizer, out: str | Path, recipe_text: str, manifest: dict, overwrite: bool = False) -> Path:
-    out = Path(out)
-    check_output(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+@dataclass
+class Totals:
+    """What the report says about the weights, summed as blocks are written (they are freed after)."""
+
+    weight_bits: float = 0.0  # quantized linears: bits including scales and zero-points
+    quantized: int = 0  # their weights
+    zeros: int = 0  # pruned linears: exact zeros
+    pruned: int = 0  # their weights
+    factored: int = 0  # factored layers: parameters of the pairs
+    replaced: int = 0  # parameters of the dense layers they replaced
+
+    def bits_per_weight(self) -> float | None:
+        return self.weight_bits / self.quantized if self.quantized else None
+
+    def sparsity(self) -> float | None:
+        return self.zeros / self.pruned if self.pruned else None
+
+    def params_kept(self) -> float | None:
+        return self.factored / self.replaced if self.replaced else None
+
+
+class Export:
+    """An export being written: opened before compression, given each block as soon as it is
+    final (``add``), completed by ``finish``. Everything goes to a temporary folder beside the
+    target, renamed into place at the end; ``abort`` removes it."""
+
+    def __init__(self, out: str | Path, overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES):
+        self.out, self.overwrite = Path(out), overwrite
+        check_output(self.out, overwrite)
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        self.shards = ShardWriter(self.tmp, max_shard_bytes)
+        self.linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None] = {}
+        self.loras: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.format: str | None = None  # pack-quantized, or int-quantized once a linear has int8 inputs
+        self.totals = Totals()
+
+    def _tensors_of(self, name: str, linear: torch.nn.Module, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+        act = input_quant_of(linear)
+        fmt = "int-quantized" if act is not None else "pack-quantized"
+        if act is not None and qw.scheme.bits != 8:
+            raise ExportError(f"{name} has int8 activations but {qw.scheme.describe()} weights; "
+                              "W8A8 needs 8-bit weights on the same linears")
+        if self.format not in (None, fmt):
+            raise ExportError(f"{name}: int8 activations on some quantized linears only; "
+                              "W8A8 exports need them on every quantized linear")
+        self.format = fmt
+        return _int8_tensors(name, qw) if act is not None else _packed_tensors(name, qw)
+
+    def add(self, module: torch.nn.Module, prefix: str = "", skip: str | None = None) -> None:
+        """Write ``module``'s tensors under ``prefix`` (quantized linears packed, tied tensors once),
+        leaving out the submodule ``skip`` (the decoder blocks, written one by one)."""
+        name_of = {m: f"{prefix}{n}" for n, m in module.named_modules()
+                   if skip is None or not (n == skip or n.startswith(skip + "."))}
+        quantized = {}
+        for m, name in name_of.items():
+            if isinstance(m, torch.nn.Linear):
+                qw = quantized_of(m)
+                self.linears[name] = None if qw is None else (qw.scheme, input_quant_of(m))
+                if qw is None and input_quant_of(m) is not None:
+                    raise ExportError(f"{name} has int8 activations but dense weights; "
+                                      "W8A8 needs 8-bit weights on the same linears")
+                if qw is not None:
+                    quantized[name] = (m, qw)
+                    n = qw.q.numel()
+                    self.totals.weight_bits += qw.scheme.bits_per_weight(qw.q.shape[1], 8 * qw.scale.element_size()) * n
+                    self.totals.quantized += n
+            if prune_mask_of(m) is not None:
+                self.totals.zeros += (m.weight == 0).sum().item()
+                self.totals.pruned += m.weight.numel()
+            if isinstance(m, lowrank.Factored):
+                self.totals.factored += m[0].weight.numel() + m[1].weight.numel()
+                self.totals.replaced += m[0].in_features * m[1].out_features
+            if getattr(m, "lora", None) is not None:
+                self.loras[name] = tuple(t.detach().cpu().contiguous() for t in m.lora)
+        seen = set()
+        for key, tensor in module.state_dict(prefix=prefix).items():
+            owner, _, leaf = key.rpartition(".")
+            if skip is not None and key.startswith(f"{prefix}{skip}."):
+                continue
+            if owner in quantized:
+                if leaf == "weight":
+                    for k, t in self._tensors_of(owner, *quantized[owner]).items():
+                        self.shards.add(k, t)
+                continue
+            if tensor.data_ptr() in seen:  # tied lm_head / embeddings
+                continue
+            seen.add(tensor.data_ptr())
+            self.shards.add(key, tensor)
+
+    def finish(self, model: torch.nn.Module, tokenizer, recipe_text: str, manifest: dict) -> Path:
+        """Config, tokenizer, recipe and manifest (sha256 per file) beside the shards, then the rename."""
+        try:
+            self.shards.close()
+            _write_adapter(self.loras, self.tmp)
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            qconfig = quantization_config(self.linears, self.format or "pack-quantized")
+            if qconfig is not None:
+                config["quantization_config"] = qconfig
+            config.pop(lowrank.CONFIG_KEY, None)
+            if ranks := lowrank.factored_ranks(model):
+                config[lowrank.CONFIG_KEY] = ranks  # our loader (and docs/design.md's recipe) rebuild these layers
+            config.pop(kvcache.CONFIG_KEY, None)
+            if (kv := kvcache.scheme_of(model)) is not None:
+                config[kvcache.CONFIG_KEY] = kvcache.config_entry(kv)  # our evaluator and decoder read it
+            (self.tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(self.tmp)
+            tokenizer.save_pretrained(self.tmp)
+            (self.tmp / "recipe.yaml").write_text(recipe_text)
+            files = {str(p.relative_to(self.tmp)): _sha256(p) for p in sorted(self.tmp.rglob("*")) if p.is_file()}
+            manifest = {**manifest, "versions": _versions(), "files": files}
+            (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+            if self.out.exists():
+                check_output(self.out, self.overwrite)
+                trash = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
+                os.replace(self.out, trash / self.out.name)
+                os.replace(self.tmp, self.out)
+                shutil.rmtree(trash, ignore_errors=True)
+            else:
+                os.replace(self.tmp, self.out)
+        finally:
+            self.abort()
+        return self.out
+
+    def abort(self) -> None:
+        if not self.shards.data.closed:
+            self.shards.data.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def export(model, tokenizer, out: str | Path, recipe_text: str, manifest: dict, overwrite: bool = False,
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """A whole in-memory model through ``Export``: its blocks, then the rest."""
+    from .arch import arch_of, decoder_layers
+
+    writer = Export(out, overwrite, max_shard_bytes)
     try:
-        _write_shards(model, tmp)
-        _write_adapter(model, tmp)
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)
-        qconfig = quantization_config(model)
-        if qconfig is not None:
-            config["quantization_config"] = qconfig
-        config.pop(lowrank.CONFIG_KEY, None)
-        if ranks := lowrank.factored_ranks(model):
-            config[lowrank.CONFIG_KEY] = ranks  # our loader (and docs/design.md's recipe) rebuild these layers
-        config.pop(kvcache.CONFIG_KEY, None)
-        if (kv := kvcache.scheme_of(model)) is not None:
-            config[kvcache.CONFIG_KEY] = kvcache.config_entry(kv)  # our evaluator and decoder read it
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "recipe.yaml").write_text(recipe_text)
-        files = {str(p.relative_to(tmp)): _sha256(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
-        manifest = {**manifest, "versions": _versions(), "files": files}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.replace(out, trash / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+        layers = arch_of(model).layers
+        for i, block in enumerate(decoder_layers(model)):
+            writer.add(block, f"{layers}.{i}.")
+        writer.add(model, skip=layers)
+    except BaseException:
+        writer.abort()
+        raise
+    return writer.finish(model, tokenizer, recipe_text, manifest)
 
 
 def size_on_disk(folder: Path) -> int:

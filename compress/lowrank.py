@@ -94,14 +94,5 @@ def install(model: torch.nn.Module, ranks: dict[str, int]) -> None:
                                              linear.weight.dtype, linear.weight.device))
 
 
-def params_kept(model: torch.nn.Module) -> float | None:
-    """Parameters of the factored layers' weights over those of the dense weights they replaced."""
-    pairs = [m for m in model.modules() if isinstance(m, Factored)]
-    if not pairs:
-        return None
-    kept = sum(m[0].weight.numel() + m[1].weight.numel() for m in pairs)
-    return kept / sum(m[0].in_features * m[1].out_features for m in pairs)
-
-
 def factored_ranks(model: torch.nn.Module) -> dict[str, int]:
     return {name: m.rank for name, m in model.named_modules() if isinstance(m, Factored)}

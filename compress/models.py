@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import kvcache, lowrank
+from . import kvcache, lazy, lowrank
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -150,6 +150,38 @@ def load(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust
             f"or has no such model; pass a local Hugging Face folder or an alias ({', '.join(ALIASES)}) with --model"
         ) from None
     return Loaded(model, tokenizer)
+
+
+def local_folder(source: str) -> Path:
+    """The folder holding ``source``'s files: an alias's cached conversion, a local folder, or the
+    hub's local copy of a model id (downloaded first when the hub is reachable)."""
+    where = resolve(source)
+    if isinstance(where, Path):
+        return where
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(where, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model",
+                                                              "*.txt", "*.jinja"],
+                                      local_files_only=not _hub_reachable()))
+    except Exception:
+        raise ModelLoadError(
+            f"could not load {source!r}: it is not a local folder, and the hub is unreachable (offline?) "
+            f"or has no such model; pass a local Hugging Face folder or an alias ({', '.join(ALIASES)}) with --model"
+        ) from None
+
+
+def open_streamed(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16,
+                  trust_remote_code: bool = False) -> Loaded:
+    """``source`` as a ``lazy.StreamedModel`` (its blocks stay on disk until used) and its tokenizer."""
+    from transformers import AutoTokenizer
+
+    where = local_folder(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, local_files_only=True)
+    except OSError as e:
+        raise ModelLoadError(f"could not load the tokenizer of {where}: {str(e).splitlines()[0]}") from None
+    return Loaded(lazy.open_model(where, dtype, trust_remote_code), tokenizer)
 
 
 def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = False, local_only: bool = True):

@@ -16,6 +16,7 @@ import torch
 from tqdm import tqdm
 
 from .arch import arch_of, decoder_layers
+from .lazy import streamed
 from .models import cast_params, compute_dtype
 
 
@@ -269,42 +270,58 @@ class BlockData:
             stand_in.settle()
 
 
-def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device, prefix: str | None = None):
-    """Apply layer-passes block by block. ``ids`` is None when no pass needs data.
+def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device,
+                   on_block: Callable[[int, torch.nn.Module], None] | None = None, keep: bool = False) -> None:
+    """Apply layer-passes block by block over a ``StreamedModel``. ``ids`` is None when no pass needs data.
 
-    Each block computes in the device's compute dtype (float32 on the CPU) and goes
-    back to the model's storage dtype and home device when its passes are done.
+    Each block is read (if it is not in memory), computes in the device's compute dtype
+    (float32 on the CPU), goes back to the CPU in the storage dtype when its passes are done,
+    is handed to ``on_block`` (the export writes it) and is freed, unless ``keep``.
     """
-    layers = decoder_layers(model)
-    prefix = prefix if prefix is not None else arch_of(model).layers + "."
-    home, storage = next(layers[0].parameters()).device, model.dtype
+    model = streamed(model)
+    storage = model.dtype
     dtype = compute_dtype(device, storage)
-    inputs, calls = capture_inputs(model, ids, device, dtype) if ids is not None else (None, None)
+    inputs, calls = capture_inputs(model.model, ids, device, dtype) if ids is not None else (None, None)
     keep_original = any(getattr(p, "needs_original", False) for p in passes)
-    for i, block in enumerate(tqdm(layers, desc="compressing blocks", unit="block")):
-        cast_params(block, device, dtype)
-        original = copy.deepcopy(block) if keep_original else None
-        data = None
-        if inputs is not None or keep_original:  # without calibration data, only ``original`` is there
-            data = BlockData(block, inputs or [], calls[i] if calls else ((), {}), original)
-        for p in passes:
-            if data is not None:
-                data.replay = {}  # a pass's stand-ins are only valid until another pass changes the block
-            p.apply(block, data, f"{prefix}{i}.")
-        if inputs is not None and i + 1 < len(layers):
-            inputs = data.forward()  # the next block sees what the compressed block produces
-        cast_params(block, home, storage)
+    for i in tqdm(range(len(model)), desc="compressing blocks", unit="block"):
+        with model.block(i, keep=keep) as block:
+            home = _home(block)
+            cast_params(block, device, dtype)
+            original = copy.deepcopy(block) if keep_original else None
+            data = None
+            if inputs is not None or keep_original:  # without calibration data, only ``original`` is there
+                data = BlockData(block, inputs or [], calls[i] if calls else ((), {}), original)
+            for p in passes:
+                if data is not None:
+                    data.replay = {}  # a pass's stand-ins are only valid until another pass changes the block
+                p.apply(block, data, f"{model.prefix}{i}.")
+            if inputs is not None and i + 1 < len(model):
+                inputs = data.forward()  # the next block sees what the compressed block produces
+            del data, original
+            cast_params(block, home, storage)
+            if on_block is not None:
+                on_block(i, block)
 
 
 def run_passes(model, ids: torch.Tensor | None, passes, device: torch.device,
-               load_teacher: Callable[[], torch.nn.Module]) -> torch.nn.Module | None:
+               load_teacher: Callable[[], torch.nn.Module],
+               on_block: Callable[[int, torch.nn.Module], None] | None = None) -> torch.nn.Module | None:
     """The block sweep over the layer-passes, then the model passes (recovery training), which
-    train against the original model from ``load_teacher()``; returns that teacher, if loaded."""
+    train the whole model (``model.load_all()`` first) against the original model from
+    ``load_teacher()``; returns that teacher, if loaded. ``on_block`` sees each block once final."""
     from .passes import ModelPass
 
+    model = streamed(model)
     model_passes = [p for p in passes if isinstance(p, ModelPass)]
-    run_sequential(model, ids, [p for p in passes if not isinstance(p, ModelPass)], device)
-    teacher = load_teacher() if model_passes else None
+    layer_passes = [p for p in passes if not isinstance(p, ModelPass)]
+    run_sequential(model, ids, layer_passes, device, None if model_passes else on_block, keep=bool(model_passes))
+    if not model_passes:
+        return None
+    teacher = load_teacher()
     for p in model_passes:
-        p.apply_model(model, teacher, ids, device)
+        p.apply_model(model.model, teacher, ids, device)
+    if on_block is not None:
+        for i in range(len(model)):
+            with model.block(i) as block:
+                on_block(i, block)
     return teacher

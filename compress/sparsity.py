@@ -82,13 +82,3 @@ def apply_mask(linear: torch.nn.Linear, mask: torch.Tensor) -> None:
 
 def prune_mask_of(linear: torch.nn.Module) -> torch.Tensor | None:
     return getattr(linear, "prune_mask", None)
-
-
-def measured_sparsity(model: torch.nn.Module) -> float | None:
-    """Share of exact zeros over the linears that a pruning pass touched (None if none did)."""
-    zeros = total = 0
-    for module in model.modules():
-        if prune_mask_of(module) is not None:
-            zeros += (module.weight == 0).sum().item()
-            total += module.weight.numel()
-    return zeros / total if total else None

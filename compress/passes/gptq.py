@@ -28,6 +28,7 @@ class GPTQOptions(WeightQuantOptions):
 class GPTQ(WeightQuantPass):
     name = "gptq"
     Options = GPTQOptions
+    uses_hessian = True  # the memory plan counts its input statistics
 
     def check(self, model) -> None:
         super().check(model)

@@ -29,6 +29,7 @@ class LoRCOptions(LinearOptions):
 class LoRC(LinearPass):
     name = "lorc"
     Options = LoRCOptions
+    uses_hessian = True  # the memory plan counts its input statistics
     needs_original = True  # the pipeline keeps a copy of each block from before the passes
 
     def __init__(self, options, where):

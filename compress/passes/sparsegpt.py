@@ -27,6 +27,7 @@ class SparseGPTOptions(PruneOptions):
 class SparseGPT(PrunePass):
     name = "sparsegpt"
     Options = SparseGPTOptions
+    uses_hessian = True  # the memory plan counts its input statistics
     scheme = None
 
     def check(self, model) -> None:

@@ -1,0 +1,94 @@
+"""How much memory ``apply`` will need, said before any compute, and refused when it is not there.
+
+Compression holds one block at a time: its stored tensors and their float32 copy, the
+calibration activations entering and leaving it, and the largest group of Hessians.
+Evaluation holds one set of hidden states per model (the compressed one and the
+reference). The tensors outside the blocks (embeddings, head) stay in memory throughout,
+in float32 while they compute. Recovery passes and data-free calibration need the
+whole model. Each phase's sum is an estimate: bench_scale.py prints it beside the
+measured peak.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+GB = 1e9
+RUNTIME = int(0.6 * GB)  # Python, torch, transformers and the tokenizer, measured on an empty run
+
+
+class MemoryPlanError(RuntimeError):
+    """The plan does not fit this machine; the message names the number and what to change."""
+
+
+@dataclass
+class MemoryPlan:
+    compress: dict[str, int] = field(default_factory=dict)  # bytes by what holds them
+    evaluate: dict[str, int] = field(default_factory=dict)
+    shared: dict[str, int] = field(default_factory=dict)  # held in both phases
+    where: str = "RAM"
+
+    @property
+    def peak(self) -> int:
+        return RUNTIME + sum(self.shared.values()) + max(sum(self.compress.values()), sum(self.evaluate.values()))
+
+    def describe(self) -> str:
+        parts = {**self.shared, **self.compress, **self.evaluate}
+        top = ", ".join(f"{k} {v / GB:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
+        return f"peak {self.where} ≈ {self.peak / GB:.1f} GB ({top} GB)"
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory free for us: the device's on CUDA, Linux's MemAvailable on the CPU (None elsewhere)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def plan(model, passes, device: torch.device, samples: int, cal_seqlen: int, windows: int, eval_seqlen: int,
+         whole: bool) -> MemoryPlan:
+    """``model`` a ``lazy.StreamedModel`` (shapes only are read); ``samples`` 0 without calibration,
+    ``windows`` 0 without evaluation; ``whole``: the run reads every block and keeps it."""
+    cfg = model.config
+    stored = torch.tensor([], dtype=model.dtype).element_size()
+    f32, hidden = 4, cfg.hidden_size
+    n_block = sum(p.numel() for p in model.layers[0].parameters())
+    n_outside = sum(p.numel() for n, p in model.model.named_parameters() if not n.startswith(model.prefix))
+    copies = 1 + any(getattr(p, "needs_original", False) for p in passes)
+    plan = MemoryPlan(where="GPU memory" if device.type == "cuda" else "RAM")
+    plan.shared["tensors outside the blocks"] = n_outside * (stored + f32)
+    if whole:
+        plan.shared["the whole model (recovery or data-free calibration)"] = n_block * len(model) * stored
+    plan.compress["one block"] = n_block * (stored + copies * f32)
+    # inputs, outputs and the inputs a replayed linear keeps: three sets of activations
+    plan.compress["calibration activations"] = 3 * samples * cal_seqlen * hidden * f32
+    if any(getattr(p, "uses_hessian", False) for p in passes):
+        widest = max(m.in_features for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
+        plan.compress["Hessians"] = 3 * widest * widest * f32  # H, its factor, the sweep's working copy
+    if windows:
+        plan.evaluate["one block"] = n_block * (stored + f32)
+        plan.evaluate["evaluation hidden states"] = 2 * windows * eval_seqlen * hidden * f32  # model and reference
+        plan.evaluate["logits"] = 4 * (1 << 26) * f32  # two models' log-probabilities and their softmax, a chunk
+    return plan
+
+
+def check(plan: MemoryPlan, device: torch.device) -> None:
+    """Refuse a run whose plan exceeds what is free (COMPRESS_SKIP_MEMORY_CHECK=1 runs it anyway)."""
+    free = available_bytes(device)
+    if free is None or plan.peak <= free or os.environ.get("COMPRESS_SKIP_MEMORY_CHECK") == "1":
+        return
+    biggest = max({**plan.compress, **plan.evaluate}.items(), key=lambda kv: kv[1])
+    raise MemoryPlanError(
+        f"this run needs about {plan.peak / GB:.1f} GB of {plan.where}, {free / GB:.1f} GB is free; "
+        f"the largest part is {biggest[0]} ({biggest[1] / GB:.1f} GB): lower --samples or the calibration "
+        f"seqlen, or --windows/--seqlen (set COMPRESS_SKIP_MEMORY_CHECK=1 to try anyway)")

@@ -1,0 +1,161 @@
+"""Peak memory and time of `compress apply` and `compress eval` as a model grows layer by layer.
+
+Writes one synthetic checkpoint with random bf16 weights of Llama-3-8B's shapes (hidden 4096,
+intermediate 14336, 32/8 heads, vocab 128256), one shard per layer, then for each layer count
+a folder whose index lists only the first N layers (the shards are shared by links), and runs
+rtn-w4 (and gptq-w4 with a few calibration samples on the smallest models) and `compress eval`
+on each. Peak RSS is the child process's own (wait4), not this script's. Rows print as measured.
+
+    python scripts/bench_scale.py --layers 2 4 8 16 32 --gptq-layers 2 4 --root /big/disk/bench-scale
+    python scripts/bench_scale.py --layers 56 --root /big/disk/bench-scale      # larger than RAM
+
+Random weights measure memory and time, not quality: perplexities are meaningless here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+SHAPES = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+              vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def cpu_header() -> str:
+    model, flags = platform.processor(), ""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        model = re.search(r"model name\s*:\s*(.*)", text).group(1)
+        found = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split())
+        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in found)
+    except (OSError, AttributeError):
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"machine: {model} [{flags}], {os.cpu_count()} cores, {mem:.1f} GiB RAM; torch {torch.__version__}"
+
+
+def _layer(i: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    h, m = SHAPES["hidden_size"], SHAPES["intermediate_size"]
+    kv = h // SHAPES["num_attention_heads"] * SHAPES["num_key_value_heads"]
+    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
+              "self_attn.o_proj": (h, h), "mlp.gate_proj": (m, h), "mlp.up_proj": (m, h), "mlp.down_proj": (h, m)}
+    out = {f"model.layers.{i}.{n}.weight": (torch.randn(s, generator=g) * 0.02).bfloat16() for n, s in shapes.items()}
+    for norm in ("input_layernorm", "post_attention_layernorm"):
+        out[f"model.layers.{i}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    return out
+
+
+def write_shards(root: Path, layers: int) -> Path:
+    """One shard per layer plus one for the rest, written once and reused by every layer count."""
+    shards = root / "shards"
+    shards.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    rest = shards / "rest.safetensors"
+    if not rest.exists():
+        v, h = SHAPES["vocab_size"], SHAPES["hidden_size"]
+        save_file({"model.embed_tokens.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16(),
+                   "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+                   "lm_head.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16()}, rest, metadata={"format": "pt"})
+    for i in range(layers):
+        path = shards / f"layer-{i:03d}.safetensors"
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            save_file(_layer(i, g), tmp, metadata={"format": "pt"})
+            os.replace(tmp, path)
+            print(f"  wrote {path.name}", file=sys.stderr, flush=True)
+    return shards
+
+
+def model_folder(root: Path, shards: Path, layers: int, tokenizer_from: Path) -> Path:
+    """A checkpoint folder of ``layers`` layers: config, tokenizer, index and links to the shards."""
+    from transformers import LlamaConfig
+
+    folder = root / f"llama8b-width-{layers}L"
+    if (folder / "config.json").exists():
+        return folder
+    folder.mkdir(parents=True)
+    LlamaConfig(num_hidden_layers=layers, **SHAPES).save_pretrained(folder)
+    weight_map = {}
+    for name in ["rest.safetensors"] + [f"layer-{i:03d}.safetensors" for i in range(layers)]:
+        (folder / name).symlink_to(shards / name)
+        from safetensors import safe_open
+
+        with safe_open(shards / name, framework="pt") as st:
+            weight_map.update({k: name for k in st.keys()})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    for f in tokenizer_from.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def run(cmd: list[str]) -> tuple[float, float, str]:
+    """(peak RSS GB of the child, wall seconds, its output)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
+    return usage.ru_maxrss / 1024**2, time.perf_counter() - start, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    ap.add_argument("--gptq-layers", type=int, nargs="*", default=[2, 4])
+    ap.add_argument("--root", type=Path, required=True, help="a folder on a disk with room for the checkpoints")
+    ap.add_argument("--windows", type=int, default=2)
+    ap.add_argument("--seqlen", type=int, default=256)
+    ap.add_argument("--samples", type=int, default=4, help="gptq calibration samples")
+    ap.add_argument("--keep", action="store_true", help="keep the exports (they are removed after each row)")
+    args = ap.parse_args()
+
+    from compress import models
+
+    print(f"# bench_scale: {' '.join(sys.argv)}")
+    print(f"# {cpu_header()}; {date.today()}")
+    print(f"# rows: apply = compress, export and evaluate ({args.windows} x {args.seqlen} tokens against the "
+          "original); eval = `compress eval` of the export alone, same windows")
+    print("| layers | params (B) | checkpoint GB | recipe | apply peak RSS GB | plan GB | apply s | "
+          "eval peak RSS GB | eval s |")
+    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    shards = write_shards(args.root, max(args.layers))
+    tokenizer_from = models.resolve("smollm2-135m")
+    compress_cli = [sys.executable, "-c", "import sys; from compress.cli import main; sys.exit(main())"]
+    for layers in args.layers:
+        folder = model_folder(args.root, shards, layers, tokenizer_from)
+        files = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
+        size = sum((folder / f).stat().st_size for f in files) / 1e9
+        params = size / 2  # bf16
+        for recipe in ["rtn-w4"] + (["gptq-w4"] if layers in args.gptq_layers else []):
+            out = args.root / f"out-{recipe}-{layers}L"
+            cmd = compress_cli + ["apply", recipe, "--model", str(folder), "--output", str(out), "--overwrite",
+                                  "--windows", str(args.windows), "--seqlen", str(args.seqlen), "--device", "cpu"]
+            if recipe == "gptq-w4":
+                cmd += ["--samples", str(args.samples)]
+            rss, wall, log = run(cmd)
+            plan = re.search(r"peak RAM ≈ ([\d.]+) GB", log)
+            e_rss, e_wall, _ = run(compress_cli + ["eval", str(out), "--windows", str(args.windows),
+                                                   "--seqlen", str(args.seqlen), "--device", "cpu"])
+            print(f"| {layers} | {params:.2f} | {size:.1f} | {recipe} | {rss:.2f} | {plan.group(1) if plan else '?'} | "
+                  f"{wall:.0f} | {e_rss:.2f} | {e_wall:.0f} |", flush=True)
+            if not args.keep:
+                shutil.rmtree(out)
+
+
+if __name__ == "__main__":
+    main()
