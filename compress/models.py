@@ -185,58 +185,26 @@ def open_streamed(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat
 
 
 def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = False, local_only: bool = True):
-    """The model alone, in eval mode: factored exports rebuilt, an exported adapter merged."""
+    """The model alone, whole, in eval mode (for decoding). Factored exports and exports with a
+    LoRA adapter are read as ``lazy`` reads them; the rest through transformers, so that W8A8
+    linears carry compressed-tensors' attributes, which the int8 decode kernels read."""
     from transformers import AutoModelForCausalLM
 
-    if isinstance(where, Path) and lowrank.CONFIG_KEY in json.loads((where / "config.json").read_text()):
-        model = _load_factored(where, dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, local_files_only=local_only,
-            **_dequantize_on_load(where),
-        )
-        if getattr(model, "ct_decompress_hook", None) is not None:
-            # W8A8: compressed-tensors unpacks the int8 weights in a hook on the whole model's first
-            # forward; evaluation calls the body and the head apart, so unpack them now
-            model.hf_quantizer.compressor.decompress_model(model)
-    if isinstance(where, Path) and (where / "adapter" / "adapter_config.json").exists():
-        model = _merge_adapter(model, where / "adapter")
+    if isinstance(where, Path) and (lowrank.CONFIG_KEY in json.loads((where / "config.json").read_text())
+                                    or (where / "adapter" / "adapter_config.json").exists()):
+        return lazy.open_model(where, dtype, trust_remote_code).load_all()
+    model = AutoModelForCausalLM.from_pretrained(
+        where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, local_files_only=local_only,
+        **_dequantize_on_load(where),
+    )
+    if getattr(model, "ct_decompress_hook", None) is not None:
+        # W8A8: compressed-tensors unpacks the int8 weights in a hook on the whole model's first
+        # forward; evaluation calls the body and the head apart, so unpack them now
+        model.hf_quantizer.compressor.decompress_model(model)
     if (kv := getattr(model.config, kvcache.CONFIG_KEY, None)) is not None:
         kv = {k: v for k, v in kv.items() if k != "method"}
         kvcache.install(model, kv)
     return model.eval()
-
-
-def _merge_adapter(model, adapter: Path):
-    """A LoRA adapter exported beside the weights (LoRC, QLoRA), merged into them with peft."""
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
-
-
-def _load_factored(where: Path, dtype: torch.dtype):
-    """An export with factored layers: build the model from its config, put ``Factored`` pairs in
-    place of the listed linears, then load the safetensors state dict (strictly, ties aside)."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    config = AutoConfig.from_pretrained(where)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    lowrank.install(model, getattr(config, lowrank.CONFIG_KEY))
-    state = {}
-    for shard in sorted(where.glob("*.safetensors")):
-        state.update(load_file(shard))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    model.tie_weights()
-    current = model.state_dict()
-    loaded = {current[k].data_ptr() for k in state if k in current}
-    missing = [k for k in missing if current[k].data_ptr() not in loaded]  # tied to a loaded tensor: fine
-    if missing or unexpected:
-        raise ModelLoadError(f"{where}: factored checkpoint does not match its config "
-                             f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    if (where / "generation_config.json").exists():
-        model.generation_config = GenerationConfig.from_pretrained(where)
-    return model
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -3,8 +3,6 @@ from the model's own earlier outputs, sent only where they are expected to pay f
 
 from __future__ import annotations
 
-import torch
-
 from . import kernels
 from .loop import common_prefix
 
