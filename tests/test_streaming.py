@@ -107,3 +107,13 @@ def test_streamed_apply_matches_the_whole_model_and_reloads_in_transformers(shar
     assert report.eval["ppl"] == pytest.approx(math.exp(-logp.gather(-1, targets).mean().item()), rel=1e-5)
     assert report.eval["ref_ppl"] == pytest.approx(math.exp(-ref.gather(-1, targets).mean().item()), rel=1e-5)
     assert report.eval["kl"] == pytest.approx((ref.exp() * (ref - logp)).sum(-1).mean().item(), abs=1e-6)
+
+
+def test_apply_refuses_a_run_that_does_not_fit_before_writing_anything(sharded, tmp_path, monkeypatch):
+    from compress import memory
+
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 10**8)
+    recipe = parse("passes:\n  - rtn: {bits: 4, group_size: 32}\nevaluation: {windows: 2, seqlen: 64}\n")
+    with pytest.raises(memory.MemoryPlanError, match=r"needs about [\d.]+ GB of RAM, 0.1 GB is free; the largest part"):
+        apply(recipe, str(sharded), tmp_path / "x", device="cpu")
+    assert not list(tmp_path.iterdir())
