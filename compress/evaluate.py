@@ -136,7 +136,9 @@ def evaluate_many(models: dict, tokenizer, source: str = "wikitext2", seqlen: in
     where the first model's embeddings are).
     """
     data = windows_of(tokenizer, source, seqlen, windows) if data is None else data
-    everyone = {name: streamed(m) for name, m in dict(models, **({_REF: reference} if reference is not None else {})).items()}
+    everyone = {name: streamed(m) for name, m in models.items()}
+    if reference is not None:
+        everyone[_REF] = streamed(reference)
     if device is None:
         device = next(iter(everyone.values())).model.get_input_embeddings().weight.device
     scores = {name: _Score() for name in everyone}

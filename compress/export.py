@@ -138,7 +138,8 @@ class ShardWriter:
         order = sorted(self.entries, key=lambda e: (-_ST_DTYPES[e[1]][1], e[0]))
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for key, dtype, shape, _, nbytes in order:
-            header[key] = {"dtype": _ST_DTYPES[dtype][0], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            header[key] = {"dtype": _ST_DTYPES[dtype][0], "shape": list(shape),
+                           "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)

@@ -59,7 +59,8 @@ class Checkpoint:
         try:
             return safe_open(path, framework="pt")
         except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"{path} is not a readable safetensors file ({e}); re-download or re-export it") from None
+            raise CheckpointError(f"{path} is not a readable safetensors file ({e}); "
+                                  "re-download or re-export it") from None
 
     def __contains__(self, key: str) -> bool:
         return key in self.file_of
@@ -114,7 +115,8 @@ class _CompressedTensors:
             return None
         for scheme in self.groups:
             for target in scheme.targets:
-                if target == "Linear" or target == name or (target.startswith("re:") and re.fullmatch(target[3:], name)):
+                regex = target.startswith("re:") and re.fullmatch(target[3:], name)
+                if target == "Linear" or target == name or regex:
                     return scheme
         return None
 

@@ -67,7 +67,8 @@ def write_shards(root: Path, layers: int) -> Path:
         v, h = SHAPES["vocab_size"], SHAPES["hidden_size"]
         save_file({"model.embed_tokens.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16(),
                    "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-                   "lm_head.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16()}, rest, metadata={"format": "pt"})
+                   "lm_head.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16()},
+                  rest, metadata={"format": "pt"})
     for i in range(layers):
         path = shards / f"layer-{i:03d}.safetensors"
         if not path.exists():

@@ -95,8 +95,8 @@ def test_streamed_apply_matches_the_whole_model_and_reloads_in_transformers(shar
         if k in mine:  # (compressed-tensors keeps the scales beside the unpacked weights)
             assert torch.equal(v, mine[k].float()), k
     with torch.no_grad():  # (compressed-tensors' forward rounds differently: ~1e-4 on these logits)
-        torch.testing.assert_close(reloaded(windows).logits, models.for_compute(whole, torch.device("cpu"))(windows).logits,
-                                   atol=1e-3, rtol=1e-4)
+        ours = models.for_compute(whole, torch.device("cpu"))(windows).logits
+        torch.testing.assert_close(reloaded(windows).logits, ours, atol=1e-3, rtol=1e-4)
 
     # evaluation, block by block, equals perplexity and KL from whole-model logits
     dense = models.for_compute(models.load(str(sharded)).model, torch.device("cpu"))
