@@ -249,6 +249,30 @@ def release(module: torch.nn.Module) -> None:
                 sub._parameters[leaf] = torch.nn.Parameter(_meta_like(p), requires_grad=False)
         for attr in _RECORDS:
             sub.__dict__.pop(attr, None)
+    _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    """Give the freed block back to the system. glibc serves tensors under its (self-raising)
+    mmap threshold from the heap and keeps their pages after ``free``: without this, resident
+    memory grew by ~18 MB per block read and freed (Llama-3-8B widths), ~94 MB per block over
+    a whole apply. A no-op where the C library has no ``malloc_trim``."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _libc():
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _libc()
 
 
 def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False) -> StreamedModel:
