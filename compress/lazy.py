@@ -76,26 +76,6 @@ class Checkpoint:
                     out[k] = st.get_tensor(k).clone()  # our own memory, not a view of the file's map
         return out
 
-    def nbytes(self, prefix: str = "") -> int:
-        """Bytes on disk of the tensors whose names start with ``prefix`` (the header's sizes)."""
-        total = 0
-        by_file: dict[Path, list[str]] = {}
-        for k, f in self.file_of.items():
-            if k.startswith(prefix):
-                by_file.setdefault(f, []).append(k)
-        for path, names in by_file.items():
-            with self._open(path) as st:
-                for k in names:
-                    s = st.get_slice(k)
-                    n = 1
-                    for d in s.get_shape():
-                        n *= d
-                    total += n * _DTYPE_BYTES.get(s.get_dtype(), 4)
-        return total
-
-
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "BF16": 2, "F16": 2, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-
 
 class _CompressedTensors:
     """How an export of the compressed-tensors layout stores each quantized linear."""
@@ -172,10 +152,6 @@ class StreamedModel:
 
     def __len__(self) -> int:
         return len(self.layers)
-
-    def block_bytes(self, i: int = 0) -> int:
-        """Bytes of block ``i`` in the storage dtype, once read (the unit of the memory plan)."""
-        return sum(p.numel() for p in self.layers[i].parameters()) * torch.tensor([], dtype=self.dtype).element_size()
 
     @contextlib.contextmanager
     def block(self, i: int, keep: bool = False):
