@@ -258,17 +258,22 @@ class Export:
         self.format: str | None = None  # pack-quantized, or int-quantized once a linear has int8 inputs
         self.totals = Totals()
 
-    def _tensors_of(self, name: str, linear: torch.nn.Module, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    def _tensors_of(self, module: torch.nn.Module, name: str, linear: torch.nn.Module,
+                    qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+        """The format is the whole export's, decided by the first module with quantized linears
+        (every block goes through the same passes): ``int-quantized`` when any of its linears has
+        int8 inputs (W8A8), and then every quantized linear is stored as int8, as before streaming."""
+        if self.format is None:
+            w8a8 = any(input_quant_of(m) is not None for m in module.modules())
+            self.format = "int-quantized" if w8a8 else "pack-quantized"
         act = input_quant_of(linear)
-        fmt = "int-quantized" if act is not None else "pack-quantized"
         if act is not None and qw.scheme.bits != 8:
             raise ExportError(f"{name} has int8 activations but {qw.scheme.describe()} weights; "
                               "W8A8 needs 8-bit weights on the same linears")
-        if self.format not in (None, fmt):
-            raise ExportError(f"{name}: int8 activations on some quantized linears only; "
-                              "W8A8 exports need them on every quantized linear")
-        self.format = fmt
-        return _int8_tensors(name, qw) if act is not None else _packed_tensors(name, qw)
+        if act is not None and self.format != "int-quantized":
+            raise ExportError(f"{name} has int8 activations but the linears of an earlier block do not; "
+                              "W8A8 needs them in every block")
+        return _int8_tensors(name, qw) if self.format == "int-quantized" else _packed_tensors(name, qw)
 
     def add(self, module: torch.nn.Module, prefix: str = "", skip: str | None = None) -> None:
         """Write ``module``'s tensors under ``prefix`` (quantized linears packed, tied tensors once),
@@ -303,7 +308,7 @@ class Export:
                 continue
             if owner in quantized:
                 if leaf == "weight":
-                    for k, t in self._tensors_of(owner, *quantized[owner]).items():
+                    for k, t in self._tensors_of(module, owner, *quantized[owner]).items():
                         self.shards.add(k, t)
                 continue
             if tensor.data_ptr() in seen:  # tied lm_head / embeddings
