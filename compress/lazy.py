@@ -231,8 +231,9 @@ def release(module: torch.nn.Module) -> None:
 def _return_freed_memory() -> None:
     """Give the freed block back to the system. glibc serves tensors under its (self-raising)
     mmap threshold from the heap and keeps their pages after ``free``: without this, resident
-    memory grew by ~18 MB per block read and freed (Llama-3-8B widths), ~94 MB per block over
-    a whole apply. A no-op where the C library has no ``malloc_trim``."""
+    memory grew by ~18 MB per block read and freed (Llama-3-8B widths, a throwaway loop), and a
+    whole apply peaked at 12.7 GB with 56 layers against 7.6 GB with 2 (bench_scale.py).
+    A no-op where the C library has no ``malloc_trim``."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
 
