@@ -161,6 +161,10 @@ class Engine:
         bf16_kernels = all(kernels.takes_bf16(fmt) for fmt in self.formats.values())
         self.dtype = dtype or (model.dtype if self.device.type != "cpu" else
                                torch.bfloat16 if bf16_kernels else torch.float32)
+        # attention (and so the cache) in fp32 where bf16 arithmetic is emulated (an AVX2-only CPU):
+        # there the bf16 SDPA for one row over ~300 slots took 350 us a layer, fp32 ~100 us
+        self.cache_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
+                            and not kernels.onednn_bf16_available() else self.dtype)
         self.final_norm = _norm(inner.norm, self.dtype, gemma)
         self.lm_head = kernels.build(self.formats["lm_head"], head, self.device, traceable=compile)
         self.layers = []
@@ -218,8 +222,8 @@ class Engine:
         max_len = min(max_len, self.context)
         shape = (1, self.kv_heads, max_len, self.head_dim)
         old = self.k_cache + self.v_cache if self.length else []
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.k_cache = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.cache_dtype, device=self.device) for _ in self.layers]
         for new, kept in zip(self.k_cache + self.v_cache, old):
             new[:, :, : self.length] = kept[:, :, : self.length]
         self.captured = {}  # token count -> (graph, ids, positions, logits): graphs read the old cache
@@ -262,7 +266,9 @@ class Engine:
             return
         done = slice(self.quantized_upto, self.quantized_upto + n)
         for k_cache, v_cache in zip(self.k_cache, self.v_cache):
-            k_cache[:, :, done], v_cache[:, :, done] = kvcache.round_trip(k_cache[:, :, done], v_cache[:, :, done], s)
+            # in the stream's dtype, as ``KIVICache`` quantizes (the cache may be wider: values stay exact)
+            k_cache[:, :, done], v_cache[:, :, done] = kvcache.round_trip(
+                k_cache[:, :, done].to(self.dtype), v_cache[:, :, done].to(self.dtype), s)
         self.quantized_upto += n
 
     def subset(self, keep: list[int]) -> Engine:
@@ -432,8 +438,9 @@ class Engine:
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             # index_copy_ on the cache itself, not an assignment through a view of it: compiled,
             # the assignment became a copy of the whole cache and a copy back, every layer and step
-            k_cache.index_copy_(2, slots, k[None])
-            v_cache.index_copy_(2, slots, v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)[None])
+            k_cache.index_copy_(2, slots, k[None].to(k_cache.dtype))
+            v_cache.index_copy_(2, slots, v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)[None]
+                                .to(v_cache.dtype))
             if exited is not None:  # after an early exit a layer only writes its keys and values
                 continue
             if tree is not None:
@@ -471,15 +478,16 @@ class Engine:
         return torch.cat(rows, 1)
 
     def _sdpa(self, q, k, v, mask):
+        dtype, q = q.dtype, q.to(k.dtype)  # the cache's dtype (``cache_dtype``)
         if self.softcap_attn is None:
             return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
-                                                  enable_gqa=True)[0]
+                                                  enable_gqa=True)[0].to(dtype)
         groups = self.heads // self.kv_heads  # soft-capped scores: SDPA cannot, so spelled out
         k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
         scores = torch.tanh(q @ k.transpose(1, 2) * self.scaling / self.softcap_attn) * self.softcap_attn
         if mask is not None:
             scores = scores.masked_fill(~mask, -math.inf)
-        return torch.softmax(scores.float(), -1).to(q.dtype) @ v
+        return (torch.softmax(scores.float(), -1).to(q.dtype) @ v).to(dtype)
 
     def describe(self) -> str:
         """Which kernel each linear group runs on, and what a one-token call of the group took."""
@@ -565,7 +573,8 @@ def _compiled(engine: Engine):
                 print(f"[decode engine: could not load {path.name} ({type(e).__name__}); compiling again]",
                       file=sys.stderr)
         rows, length = engine.step_rows, 3 * SPAN_ALIGN  # examples: the span and cache length differ
-        cache = [torch.zeros(1, engine.kv_heads, length, engine.head_dim, dtype=engine.dtype, device=engine.device)
+        cache = [torch.zeros(1, engine.kv_heads, length, engine.head_dim, dtype=engine.cache_dtype,
+                             device=engine.device)
                  for _ in engine.layers]
         tables = [tuple(torch.zeros(length, engine.head_dim, dtype=engine.dtype, device=engine.device)
                         for _ in range(2)) for _ in engine.rotary]
