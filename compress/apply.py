@@ -17,7 +17,7 @@ import torch
 from . import data, export, kvcache, memory, models
 from .evaluate import evaluate, windows_of
 from .passes import ModelPass
-from .pipeline import run_passes
+from .pipeline import activation_store, run_passes
 from .recipe import Recipe
 
 
@@ -49,9 +49,10 @@ class Report:
 def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | None = None,
           device: str | None = None, dtype: str = "bfloat16", seed: int | None = None, overwrite: bool = False,
           evaluate_after: bool = True, eval_windows: int | None = None, eval_seqlen: int | None = None,
-          samples: int | None = None, max_shard_mb: int | None = None) -> Report:
+          samples: int | None = None, max_shard_mb: int | None = None, spill: str | Path | None = None) -> Report:
     """Read the model a block at a time, compress each block and write it to the export at once,
-    then evaluate the export against the original, again a block at a time."""
+    then evaluate the export against the original, again a block at a time. ``spill``: a folder
+    where calibration activations are kept in files instead of RAM."""
     source = model_source or recipe.model
     if max_shard_mb is not None and max_shard_mb < 1:
         raise export.ExportError(f"--max-shard-mb must be at least 1; got {max_shard_mb}")
@@ -59,6 +60,7 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     out = Path(output or Path("out") / f"{recipe.name}-{Path(source).name}")
     export.check_output(out, overwrite)
     dev, torch_dtype = models.pick_device(device), models.parse_dtype(dtype)
+    store = activation_store(spill, dev)
     torch.manual_seed(seed)
 
     loaded = models.open_streamed(source, torch_dtype)
@@ -72,9 +74,11 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     whole = recipe.needs_data and cal.source == data.SELF or any(isinstance(p, ModelPass) for p in recipe.passes)
     n_samples = (samples or cal.samples) if recipe.needs_data else 0
     need = memory.plan(model, recipe.passes, dev, n_samples, cal.seqlen, windows if eval_data is not None else 0,
-                       seqlen, whole)
+                       seqlen, whole, spill is not None)
     print(f"[compress] memory plan: {need.describe()}", flush=True)
     memory.check(need, dev)
+    if spill is not None:
+        memory.check_disk(need, spill)
     if whole:
         model.load_all()  # data-free calibration generates with the whole model; recovery trains it
 
@@ -87,7 +91,7 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     try:
         prefix = model.prefix
         run_passes(model, ids, recipe.passes, dev, lambda: models.open_streamed(source, torch_dtype).model.load_all(),
-                   on_block=lambda i, block: writer.add(block, f"{prefix}{i}."))
+                   on_block=lambda i, block: writer.add(block, f"{prefix}{i}."), store=store)
         writer.add(model.model, skip=prefix.rstrip("."))
         compress_s = time.perf_counter() - start
         totals = writer.totals

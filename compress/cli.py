@@ -32,7 +32,7 @@ def _apply(args) -> None:
     recipe = recipes.load(args.recipe)
     report = apply(recipe, args.model, args.output, args.device, args.dtype, args.seed, args.overwrite,
                    evaluate_after=not args.no_eval, eval_windows=args.windows, eval_seqlen=args.seqlen,
-                   samples=args.samples, max_shard_mb=args.max_shard_mb)
+                   samples=args.samples, max_shard_mb=args.max_shard_mb, spill=args.spill)
     print()
     print(f"model: {report.model}    output: {report.output}")
     print(f"calibration: {report.calibration}")
@@ -256,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=int, help="evaluation window length (overrides the recipe)")
     p.add_argument("--no-eval", action="store_true", help="skip evaluation")
     p.add_argument("--max-shard-mb", type=int, help="largest safetensors shard of the export (default 2048)")
+    p.add_argument("--spill", metavar="DIR", help="keep calibration activations in files under DIR instead of "
+                                                  "RAM (many samples of a big model; the plan prints their size)")
     common(p)
     p.set_defaults(func=_apply)
 

@@ -12,7 +12,9 @@ measured peak.
 from __future__ import annotations
 
 import os
+import shutil
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -30,6 +32,7 @@ class MemoryPlan:
     compress: dict[str, int] = field(default_factory=dict)  # bytes by what holds them
     evaluate: dict[str, int] = field(default_factory=dict)
     shared: dict[str, int] = field(default_factory=dict)  # held in both phases
+    disk: dict[str, int] = field(default_factory=dict)  # spilled (``apply --spill``): files, not RAM
     where: str = "RAM"
 
     @property
@@ -39,7 +42,8 @@ class MemoryPlan:
     def describe(self) -> str:
         parts = {**self.shared, **self.compress, **self.evaluate}
         top = ", ".join(f"{k} {v / GB:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
-        return f"peak {self.where} ≈ {self.peak / GB:.1f} GB ({top} GB)"
+        spilled = "".join(f"; {k} on disk ≈ {v / GB:.1f} GB" for k, v in self.disk.items())
+        return f"peak {self.where} ≈ {self.peak / GB:.1f} GB ({top} GB){spilled}"
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -57,9 +61,10 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def plan(model, passes, device: torch.device, samples: int, cal_seqlen: int, windows: int, eval_seqlen: int,
-         whole: bool) -> MemoryPlan:
+         whole: bool, spill: bool = False) -> MemoryPlan:
     """``model`` a ``lazy.StreamedModel`` (shapes only are read); ``samples`` 0 without calibration,
-    ``windows`` 0 without evaluation; ``whole``: the run reads every block and keeps it."""
+    ``windows`` 0 without evaluation; ``whole``: the run reads every block and keeps it; ``spill``:
+    calibration activations go to files (``apply --spill``)."""
     cfg = model.config
     stored = torch.tensor([], dtype=model.dtype).element_size()
     f32, hidden = 4, cfg.hidden_size
@@ -72,7 +77,7 @@ def plan(model, passes, device: torch.device, samples: int, cal_seqlen: int, win
         plan.shared["the whole model (recovery or data-free calibration)"] = n_block * len(model) * stored
     plan.compress["one block"] = n_block * (stored + copies * f32)
     # inputs, outputs and the inputs a replayed linear keeps: three sets of activations
-    plan.compress["calibration activations"] = 3 * samples * cal_seqlen * hidden * f32
+    (plan.disk if spill else plan.compress)["calibration activations"] = 3 * samples * cal_seqlen * hidden * f32
     if any(getattr(p, "uses_hessian", False) for p in passes):
         widest = max(m.in_features for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
         plan.compress["Hessians"] = 3 * widest * widest * f32  # H, its factor, the sweep's working copy
@@ -89,7 +94,16 @@ def check(plan: MemoryPlan, device: torch.device) -> None:
     if free is None or plan.peak <= free or os.environ.get("COMPRESS_SKIP_MEMORY_CHECK") == "1":
         return
     biggest = max({**plan.compress, **plan.evaluate}.items(), key=lambda kv: kv[1])
+    spill = ", or --spill DIR to keep them in files" if biggest[0] == "calibration activations" else ""
     raise MemoryPlanError(
         f"this run needs about {plan.peak / GB:.1f} GB of {plan.where}, {free / GB:.1f} GB is free; "
         f"the largest part is {biggest[0]} ({biggest[1] / GB:.1f} GB): lower --samples or the calibration "
-        f"seqlen, or --windows/--seqlen (set COMPRESS_SKIP_MEMORY_CHECK=1 to try anyway)")
+        f"seqlen{spill}, or --windows/--seqlen (set COMPRESS_SKIP_MEMORY_CHECK=1 to try anyway)")
+
+
+def check_disk(plan: MemoryPlan, folder: str | Path) -> None:
+    """Refuse a spilled run whose activation files would not fit in ``folder``'s file system."""
+    need, free = sum(plan.disk.values()), shutil.disk_usage(folder).free
+    if need > free:
+        raise MemoryPlanError(f"--spill {folder}: the activations need about {need / GB:.1f} GB there, "
+                              f"{free / GB:.1f} GB is free; give a folder on a larger disk or lower --samples")

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
+import shutil
+import tempfile
+import weakref
+from pathlib import Path
 from typing import Callable
 
 import torch
 from tqdm import tqdm
 
 from .arch import arch_of, decoder_layers
+from .data import DataError
 from .lazy import streamed
 from .models import cast_params, compute_dtype
 
@@ -75,6 +81,59 @@ class _Replay(_StandIn):
         return y if self.tail is None else (y, *self.tail)
 
 
+class SpilledList:
+    """A list of tensors kept in files under ``root`` instead of in RAM (``apply --spill``): the
+    calibration activations of many samples of a big model. Each tensor is written once and read
+    back memory-mapped, so its pages are file pages the OS can drop and read again, not memory
+    the process must hold; ``device`` is where items are handed out. The files go with the list."""
+
+    def __init__(self, root: Path, device: torch.device):
+        self.folder = Path(tempfile.mkdtemp(prefix="activations-", dir=root))
+        self._remove = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        self.device, self.entries, self.written = device, [], 0
+
+    def _write(self, t: torch.Tensor) -> tuple:
+        t = t.detach().to("cpu").contiguous()
+        path = self.folder / f"{self.written}.bin"
+        self.written += 1
+        t.reshape(-1).view(torch.uint8).numpy().tofile(path)
+        return path, t.shape, t.dtype
+
+    def append(self, t: torch.Tensor) -> None:
+        self.entries.append(self._write(t))
+
+    def __setitem__(self, i: int, t: torch.Tensor) -> None:
+        old, self.entries[i] = self.entries[i], self._write(t)
+        old[0].unlink()  # a mapping still open keeps its pages until it is dropped
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        path, shape, dtype = self.entries[i]
+        size = shape.numel() * dtype.itemsize
+        return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8).view(dtype).view(shape) \
+            .to(self.device)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def close(self) -> None:
+        self._remove()
+
+
+def activation_store(spill: str | Path | None, device: torch.device) -> Callable[[], list]:
+    """What holds calibration activations: a list in RAM, or a ``SpilledList`` under ``spill``."""
+    if spill is None:
+        return list
+    root = Path(spill)
+    if not root.is_dir():
+        raise DataError(f"--spill {spill}: not a folder; give an existing folder with room for the activations")
+    return lambda: SpilledList(root, device)
+
+
 def _home(module: torch.nn.Module) -> torch.device:
     tensor = next(module.parameters(), None)
     tensor = tensor if tensor is not None else next(module.buffers(), None)
@@ -87,8 +146,10 @@ def _layers_parent(model):
 
 
 @torch.no_grad()
-def capture_inputs(model, ids: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None):
-    """Hidden states entering block 0 for each sample, and each block's call arguments.
+def capture_inputs(model, ids: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None,
+                   store: Callable[[], list] = list):
+    """Hidden states entering block 0 for each sample (in a list made by ``store``), and each
+    block's call arguments.
 
     Arguments (masks, rotary tables) are the same for every sample of one length,
     so they are recorded once per block; Gemma-3 gives local and global layers
@@ -103,7 +164,7 @@ def capture_inputs(model, ids: torch.Tensor, device: torch.device, dtype: torch.
         cast_params(child, device, dtype or storage)
     originals = list(layers)
     calls: list[tuple] = [None] * len(layers)
-    inputs: list[torch.Tensor] = []
+    inputs = store()
     state = {"all": True}
 
     def recorder(i):
@@ -145,9 +206,10 @@ class BlockData:
     """
 
     def __init__(self, block: torch.nn.Module, inputs: list[torch.Tensor], call: tuple,
-                 original: torch.nn.Module | None = None):
+                 original: torch.nn.Module | None = None, store: Callable[[], list] = list):
         self.block = block
         self.inputs = inputs
+        self.store = store  # makes the lists activations go to (``activation_store``)
         self.args, self.kwargs = call
         self.original = original  # the block before any pass touched it, for passes with needs_original
         self.replay: dict[str, _Replay] = {}
@@ -191,10 +253,10 @@ class BlockData:
             return fn
 
         handles = [self.block.get_submodule(n).register_forward_pre_hook(pre_hook(n)) for n in names]
-        outputs = []
+        outputs = self.store()
         try:
             with self._replays_in_place():
-                for i, x in enumerate(self.inputs[:first]):
+                for i, x in enumerate(itertools.islice(self.inputs, first)):  # one mapped at a time
                     for stand_in in self.replay.values():
                         stand_in.sample = i
                     try:
@@ -251,7 +313,7 @@ class BlockData:
         module = linear.rpartition(".")[0]
         one_linear = len(groups) == 1 and len(groups[0]) == 1 and module
         tail = self._output_tail(module, linear) if replay_after and one_linear and self.inputs else False
-        kept = []
+        kept = self.store()
         if tail is not False:
             add = hooks[linear]
             hooks[linear] = lambda x: (add(x), kept.append(x))
@@ -271,17 +333,19 @@ class BlockData:
 
 
 def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device,
-                   on_block: Callable[[int, torch.nn.Module], None] | None = None, keep: bool = False) -> None:
+                   on_block: Callable[[int, torch.nn.Module], None] | None = None, keep: bool = False,
+                   store: Callable[[], list] = list) -> None:
     """Apply layer-passes block by block over a ``StreamedModel``. ``ids`` is None when no pass needs data.
 
     Each block is read (if it is not in memory), computes in the device's compute dtype
     (float32 on the CPU), goes back to the CPU in the storage dtype when its passes are done,
-    is handed to ``on_block`` (the export writes it) and is freed, unless ``keep``.
+    is handed to ``on_block`` (the export writes it) and is freed, unless ``keep``. ``store``
+    makes the lists that hold calibration activations (``activation_store``).
     """
     model = streamed(model)
     storage = model.dtype
     dtype = compute_dtype(device, storage)
-    inputs, calls = capture_inputs(model.model, ids, device, dtype) if ids is not None else (None, None)
+    inputs, calls = capture_inputs(model.model, ids, device, dtype, store) if ids is not None else (None, None)
     keep_original = any(getattr(p, "needs_original", False) for p in passes)
     for i in tqdm(range(len(model)), desc="compressing blocks", unit="block"):
         with model.block(i, keep=keep) as block:
@@ -290,7 +354,7 @@ def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device
             original = copy.deepcopy(block) if keep_original else None
             data = None
             if inputs is not None or keep_original:  # without calibration data, only ``original`` is there
-                data = BlockData(block, inputs or [], calls[i] if calls else ((), {}), original)
+                data = BlockData(block, inputs or [], calls[i] if calls else ((), {}), original, store)
             for p in passes:
                 if data is not None:
                     data.replay = {}  # a pass's stand-ins are only valid until another pass changes the block
@@ -305,16 +369,19 @@ def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device
 
 def run_passes(model, ids: torch.Tensor | None, passes, device: torch.device,
                load_teacher: Callable[[], torch.nn.Module],
-               on_block: Callable[[int, torch.nn.Module], None] | None = None) -> torch.nn.Module | None:
+               on_block: Callable[[int, torch.nn.Module], None] | None = None,
+               store: Callable[[], list] = list) -> torch.nn.Module | None:
     """The block sweep over the layer-passes, then the model passes (recovery training), which
     train the whole model (``model.load_all()`` first) against the original model from
-    ``load_teacher()``; returns that teacher, if loaded. ``on_block`` sees each block once final."""
+    ``load_teacher()``; returns that teacher, if loaded. ``on_block`` sees each block once final;
+    ``store``: see ``run_sequential``."""
     from .passes import ModelPass
 
     model = streamed(model)
     model_passes = [p for p in passes if isinstance(p, ModelPass)]
     layer_passes = [p for p in passes if not isinstance(p, ModelPass)]
-    run_sequential(model, ids, layer_passes, device, None if model_passes else on_block, keep=bool(model_passes))
+    run_sequential(model, ids, layer_passes, device, None if model_passes else on_block, keep=bool(model_passes),
+                   store=store)
     if not model_passes:
         return None
     teacher = load_teacher()

@@ -117,3 +117,31 @@ def test_apply_refuses_a_run_that_does_not_fit_before_writing_anything(sharded, 
     with pytest.raises(memory.MemoryPlanError, match=r"needs about [\d.]+ GB of RAM, 0.1 GB is free; the largest part"):
         apply(recipe, str(sharded), tmp_path / "x", device="cpu")
     assert not list(tmp_path.iterdir())
+
+
+def test_spilled_activations_give_the_same_export_and_leave_no_file(sharded, tmp_path, capsys):
+    text = ("passes:\n  - awq: {bits: 4, group_size: 32}\n  - gptq: {bits: 4, group_size: 32}\n"
+            "calibration: {samples: 4, seqlen: 64}\n")
+    spill = tmp_path / "spill"
+    spill.mkdir()
+    in_ram = apply(parse(text), str(sharded), tmp_path / "ram", device="cpu", evaluate_after=False)
+    spilled = apply(parse(text), str(sharded), tmp_path / "spilled", device="cpu", evaluate_after=False, spill=spill)
+    assert "calibration activations on disk" in capsys.readouterr().out
+    assert in_ram.bits_per_weight == spilled.bits_per_weight
+    assert (tmp_path / "ram" / "model.safetensors").read_bytes() == (tmp_path / "spilled" / "model.safetensors").read_bytes()
+    assert not list(spill.iterdir())  # every activation file removed
+
+
+def test_spilled_list_reads_back_what_was_written(tmp_path):
+    from compress.pipeline import SpilledList
+
+    items = SpilledList(tmp_path, torch.device("cpu"))
+    tensors = [torch.randn(1, 5, 3), torch.randn(2, 4).bfloat16()]
+    for t in tensors:
+        items.append(t)
+    items[0] = tensors[0] * 2
+    assert torch.equal(items[0], tensors[0] * 2) and torch.equal(items[1], tensors[1])
+    assert [t.shape for t in items[:2]] == [t.shape for t in tensors] and len(items) == 2
+    folder = items.folder
+    del items
+    assert not folder.exists()
