@@ -58,7 +58,9 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
         raise export.ExportError(f"--max-shard-mb must be at least 1; got {max_shard_mb}")
     seed = recipe.seed if seed is None else seed
     out = Path(output or Path("out") / f"{recipe.name}-{Path(source).name}")
-    export.check_output(out, overwrite)
+    inputs = [Path(p) for p in (source, recipe.source) if p is not None and Path(p).exists()]
+    protected = tuple(p if p.is_dir() else p.parent for p in inputs)  # never replaced by --overwrite
+    export.check_output(out, overwrite, protected)
     dev, torch_dtype = models.pick_device(device), models.parse_dtype(dtype)
     store = activation_store(spill, dev)
     torch.manual_seed(seed)
@@ -87,8 +89,8 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     if recipe.needs_data:
         ids, calib_what = data.calibration_batches(model.model, tokenizer, cal.source, samples or cal.samples,
                                                    cal.seqlen, seed)
-    writer = export.Export(out, overwrite, (max_shard_mb or export.MAX_SHARD_BYTES // 2**20) * 2**20)
-    try:
+    writer = export.Export(out, overwrite, (max_shard_mb or export.MAX_SHARD_BYTES // 2**20) * 2**20, protected)
+    try:  # everything, the report included, goes to the writer's temporary folder; renamed at the end
         prefix = model.prefix
         run_passes(model, ids, recipe.passes, dev, lambda: models.open_streamed(source, torch_dtype).model.load_all(),
                    on_block=lambda i, block: writer.add(block, f"{prefix}{i}."), store=store)
@@ -100,25 +102,24 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
         method = " + ".join(p.summary() for p in recipe.passes)
         manifest = {"recipe": recipe.name, "base_model": source, "method": method, "seed": seed,
                     "calibration": calib_what, "bits_per_weight": bpw, "sparsity": sparsity, "params_kept": kept,
-                    "kv_bytes_per_token": kv, "dtype": dtype}
+                    "kv_bytes_per_token": kv, "dtype": dtype, "evaluated": eval_data is not None}
+        written = writer.finish(model.model, tokenizer, recipe.text, manifest)
+        report = Report(recipe.name, source, method, str(out), calib_what, bpw, sparsity, kept, kv,
+                        export.size_on_disk(written) / 1e6, compress_s, peak_rss_gb(),
+                        training={p.where: p.log for p in recipe.passes if getattr(p, "log", None)})
+        del model, loaded
+        if eval_data is not None:
+            compressed = models.open_streamed(str(written), torch_dtype).model  # what was written, read back
+            reference = models.open_streamed(source, torch_dtype).model if ev.kl else None
+            result = evaluate(compressed, tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data,
+                              device=dev)
+            report.eval = result.as_dict()
+            report.peak_rss_gb = peak_rss_gb()
+        (written / "report.json").write_text(json.dumps(report.as_dict(), indent=2))
     except BaseException:
         writer.abort()
         raise
-    writer.finish(model.model, tokenizer, recipe.text, manifest)
-    rss = peak_rss_gb()
-    report = Report(recipe.name, source, method, str(out), calib_what, bpw, sparsity, kept, kv,
-                    export.size_on_disk(out) / 1e6, compress_s, rss,
-                    training={p.where: p.log for p in recipe.passes if getattr(p, "log", None)})
-    del model, loaded
-
-    if eval_data is not None:
-        compressed = models.open_streamed(str(out), torch_dtype).model  # what was written, read back
-        reference = models.open_streamed(source, torch_dtype).model if ev.kl else None
-        result = evaluate(compressed, tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data,
-                          device=dev)
-        report.eval = result.as_dict()
-        report.peak_rss_gb = peak_rss_gb()
-    (out / "report.json").write_text(json.dumps(report.as_dict(), indent=2))
+    writer.publish()
     return report
 
 

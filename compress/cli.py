@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -133,6 +134,10 @@ def _decode(args) -> None:
             if tokenizer_fingerprint(other.tokenizer) != tokenizer_fingerprint(tokenizer):
                 raise decode.DecodeError(f"--draft {args.draft} has another tokenizer than {args.model}; a draft must "
                                          "share the target's vocabulary")
+            if other.model.config.vocab_size != model.config.vocab_size:
+                raise decode.DecodeError(f"--draft {args.draft} has a vocabulary of {other.model.config.vocab_size} "
+                                         f"tokens, {args.model} of {model.config.vocab_size}; a draft must share "
+                                         "the target's vocabulary")
             draft_model = models.for_compute(other.model, device)
             if Path(args.draft).is_dir():
                 kernels.attach_from_export(draft_model, args.draft)
@@ -208,13 +213,43 @@ def _early_exit(args, model, target, tokenizer, prompt, eos):
     return result
 
 
-def _auto_or_number(text: str) -> str | float:
-    if text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: write a number or auto") from None
+def _whole(least: int):
+    """An argparse type: a whole number of at least ``least`` (0 never means "the default")."""
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if n < least:
+            raise argparse.ArgumentTypeError(f"give {least} or more; got {n}")
+        return n
+
+    return parse
+
+
+def _number(low: float, high: float = math.inf, low_open: bool = False, auto: bool = False):
+    """An argparse type: a number in [low, high] (``low_open``: (low, high]); ``auto`` allowed if said."""
+    def parse(text: str) -> float | str:
+        if auto and text == "auto":
+            return text
+        try:
+            x = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: write a number{' or auto' if auto else ''}") from None
+        if not (low < x if low_open else low <= x) or not x <= high or math.isnan(x):
+            span = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if high < math.inf else f"of {low:g} or more"
+            raise argparse.ArgumentTypeError(f"give a number {span}; got {text}")
+        return x
+
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments get one line naming the argument and the command's --help, exit status 2."""
+
+    def error(self, message: str):
+        print(f"compress: error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
 
 
 def _ranges(layers: list[int]) -> str:
@@ -237,25 +272,26 @@ def _recipes(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="compress", description="Compress, export and evaluate LLMs.")
+    parser = _Parser(prog="compress", description="Compress, export and evaluate LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p):
         p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
         p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+        p.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
 
     p = sub.add_parser("apply", help="run a recipe: compress, export, evaluate")
     p.add_argument("recipe", help="a recipe file, or the name of a shipped one (see `compress recipes`)")
     p.add_argument("--model", help=f"alias (smollm2-135m, gemma3-270m), local HF folder or hub id "
                                     f"(default: the recipe's, else {DEFAULT_MODEL})")
     p.add_argument("--output", help="output folder (default: out/<recipe>-<model>)")
-    p.add_argument("--seed", type=int, help="overrides the recipe's seed")
+    p.add_argument("--seed", type=_whole(0), help="overrides the recipe's seed")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
-    p.add_argument("--samples", type=int, help="calibration samples (overrides the recipe)")
-    p.add_argument("--windows", type=int, help="evaluation windows (overrides the recipe)")
-    p.add_argument("--seqlen", type=int, help="evaluation window length (overrides the recipe)")
+    p.add_argument("--samples", type=_whole(1), help="calibration samples (overrides the recipe)")
+    p.add_argument("--windows", type=_whole(1), help="evaluation windows (overrides the recipe)")
+    p.add_argument("--seqlen", type=_whole(2), help="evaluation window length (overrides the recipe)")
     p.add_argument("--no-eval", action="store_true", help="skip evaluation")
-    p.add_argument("--max-shard-mb", type=int, help="largest safetensors shard of the export (default 2048)")
+    p.add_argument("--max-shard-mb", type=_whole(1), help="largest safetensors shard of the export (default 2048)")
     p.add_argument("--spill", metavar="DIR", help="keep calibration activations in files under DIR instead of "
                                                   "RAM (many samples of a big model; the plan prints their size)")
     common(p)
@@ -264,8 +300,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a model or exported folder")
     p.add_argument("model", help="exported folder, local HF folder or alias")
     p.add_argument("--ppl", default="wikitext2", help="wikitext2, c4, pile-val or a .txt/.jsonl file")
-    p.add_argument("--windows", type=int, default=40)
-    p.add_argument("--seqlen", type=int, default=2048)
+    p.add_argument("--windows", type=_whole(1), default=40)
+    p.add_argument("--seqlen", type=_whole(2), default=2048)
     p.add_argument("--reference", help="uncompressed model to compare against (default: the export's base "
                                        "model; 'none' to skip)")
     common(p)
@@ -282,15 +318,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="draft model for --method draft (e.g. a compressed export of the same model), or "
                                     "self-w4: the target's linears rounded to 4 bits in memory, on the int4 kernel; "
                                     "with --method prompt-lookup it drafts where lookup finds no match")
-    p.add_argument("--exit-threshold", type=_auto_or_number, default="auto",
+    p.add_argument("--exit-threshold", type=_number(0, 1, low_open=True, auto=True), default="auto",
                    help="early-exit: confidence needed to leave early (auto: calibrated for 90%% top-1 agreement)")
     p.add_argument("--exit-measure", choices=["softmax", "saturation"], default="softmax")
-    p.add_argument("--window", type=int, default=3, help="lookahead: Jacobi window width W (paper: 15 on GPUs)")
-    p.add_argument("--ngram", type=int, default=3, help="lookahead: n-gram size N (paper: 5)")
-    p.add_argument("--guesses", type=int, default=5, help="lookahead: pool candidates verified per step G (paper: 15)")
-    p.add_argument("--k", type=int, default=8, help="most candidates verified per target forward")
-    p.add_argument("--threshold", type=float, default=0.4, help="draft model: stop drafting below this probability")
-    p.add_argument("--token-cost", type=_auto_or_number, default="auto",
+    p.add_argument("--window", type=_whole(1), default=3,
+                   help="lookahead: Jacobi window width W (paper: 15 on GPUs)")
+    p.add_argument("--ngram", type=_whole(2), default=3, help="lookahead: n-gram size N (paper: 5)")
+    p.add_argument("--guesses", type=_whole(1), default=5,
+                   help="lookahead: pool candidates verified per step G (paper: 15)")
+    p.add_argument("--k", type=_whole(1), default=8, help="most candidates verified per target forward")
+    p.add_argument("--threshold", type=_number(0, 1), default=0.4,
+                   help="draft model: stop drafting below this probability")
+    p.add_argument("--token-cost", type=_number(0, auto=True), default="auto",
                    help="prompt-lookup: what one more token costs in a target forward, as a share of a one-token "
                         "forward; fewer candidates are sent the dearer they are (auto: 0.05 on a CPU, 0 on a GPU or "
                         "with --compile; "
@@ -298,10 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--datastore", metavar="FILE.json",
                    help="prompt-lookup: also copy from the model's outputs on earlier requests kept in this file "
                         "(created if missing; this output is added to it)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=_whole(1), default=128)
+    p.add_argument("--temperature", type=_number(0), default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=_number(0, 1, low_open=True), default=1.0)
+    p.add_argument("--seed", type=_whole(0), default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--kernel", choices=["auto", "dense", "fp32", "fp32-onednn", "bf16", "int8", "int4"],
                    default="auto",
@@ -331,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("compress: interrupted; nothing was written", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - a bug of ours or a dependency's: one line, the traceback on request
+        if getattr(args, "debug", False):
+            raise
+        first = (str(e).splitlines() or [""])[0][:300]
+        print(f"compress: error: unexpected {type(e).__name__}: {first} (run with --debug for the traceback)",
+              file=sys.stderr)
+        return 1
     return 0
 
 

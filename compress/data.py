@@ -59,16 +59,25 @@ def _hub_text(name: str, split: str) -> str:
 
 
 def _read_file(path: Path) -> str:
-    if path.suffix == ".jsonl":
-        texts = []
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-            if line.strip():
-                try:
-                    texts.append(json.loads(line)["text"])
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise DataError(f"{path}:{i + 1}: each jsonl line must be an object with a 'text' field") from None
-        return "\n\n".join(texts)
-    return path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
+    except OSError as e:
+        raise DataError(f"{path} cannot be read ({e.strerror})") from None
+    if path.suffix != ".jsonl":
+        return text
+    texts = []
+    for i, line in enumerate(text.splitlines()):
+        if line.strip():
+            try:
+                entry = json.loads(line)["text"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                entry = None
+            if not isinstance(entry, str):
+                raise DataError(f"{path}:{i + 1}: each jsonl line must be an object whose 'text' is a string")
+            texts.append(entry)
+    return "\n\n".join(texts)
 
 
 def load_text(source: str, split: str = "test") -> str:

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -215,10 +216,37 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def check_output(out: Path, overwrite: bool) -> None:
-    """Fail before any compute when the output folder exists and --overwrite is not given."""
-    if out.exists() and not overwrite:
-        raise ExportError(f"output {out} exists; pass --overwrite or choose another --output")
+def check_output(out: Path, overwrite: bool, protected: tuple[Path, ...] = ()) -> None:
+    """Fail before any compute when the output cannot be written, or would replace what is not ours.
+
+    ``--overwrite`` replaces only an earlier export (a folder holding our manifest), never the
+    current folder, a folder above it, the home folder or one of ``protected`` (the model's and
+    the recipe's folders). The nearest existing parent must be a writable folder."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        if not overwrite:
+            raise ExportError(f"output {out} exists; pass --overwrite or choose another --output")
+        where = out.resolve()
+        cwd, home = Path.cwd().resolve(), Path.home().resolve()
+        if where == cwd or where in cwd.parents or where == home or out.is_symlink():
+            what = "a link" if out.is_symlink() else "the current folder, a folder above it or the home folder"
+            raise ExportError(f"--output {out} is {what}; --overwrite replaces only an earlier export: "
+                              "choose another --output")
+        for folder in protected:
+            folder = Path(folder).resolve()
+            if where == folder or where in folder.parents:
+                raise ExportError(f"--output {out} is or contains {folder}, an input of this run; "
+                                  "choose another --output")
+        if not out.is_dir() or not (out / MANIFEST).is_file():
+            raise ExportError(f"--output {out} is not an export of compress (no {MANIFEST} in it); "
+                              "--overwrite replaces only an earlier export: choose another --output")
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ExportError(f"--output {out}: {parent} is a file, not a folder; choose another --output")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ExportError(f"--output {out}: {parent} is not writable; choose another --output")
 
 
 @dataclass
@@ -242,16 +270,47 @@ class Totals:
         return self.factored / self.replaced if self.replaced else None
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def remove_leftovers(out: Path) -> list[Path]:
+    """Remove the temporary folders that runs writing ``out`` left when they were killed: ours by
+    their name (``.<name>.tmp-<pid>-…``, ``.<name>.old-<pid>-…``), and only when that process is gone."""
+    removed = []
+    for folder in sorted(out.parent.glob(f".{out.name}.*-*-*")) if out.parent.is_dir() else []:
+        kind, _, rest = folder.name[len(out.name) + 2:].partition("-")
+        pid = rest.partition("-")[0]
+        if kind not in ("tmp", "old") or not pid.isdigit() or not folder.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # that run is still going
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue  # another user's process
+        shutil.rmtree(folder, ignore_errors=True)
+        removed.append(folder)
+    return removed
+
+
 class Export:
     """An export being written: opened before compression, given each block as soon as it is
-    final (``add``), completed by ``finish``. Everything goes to a temporary folder beside the
-    target, renamed into place at the end; ``abort`` removes it."""
+    final (``add``), completed by ``finish`` (still in a temporary folder beside the target,
+    where the caller adds the report) and ``publish`` (renamed into place); ``abort`` removes it."""
 
-    def __init__(self, out: str | Path, overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES):
+    def __init__(self, out: str | Path, overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
+                 protected: tuple[Path, ...] = ()):
         self.out, self.overwrite = Path(out), overwrite
-        check_output(self.out, overwrite)
+        check_output(self.out, overwrite, protected)
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=self.out.parent))
+        for folder in remove_leftovers(self.out):
+            print(f"[compress] removed {folder}, left by an interrupted run", file=sys.stderr)
+        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-{os.getpid()}-", dir=self.out.parent))
+        self.tmp.chmod(0o777 & ~_umask())  # as a plain mkdir would (mkdtemp makes it private)
         self.shards = ShardWriter(self.tmp, max_shard_bytes)
         self.linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None] = {}
         self.loras: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -317,11 +376,13 @@ class Export:
             self.shards.add(key, tensor)
 
     def finish(self, model: torch.nn.Module, tokenizer, recipe_text: str, manifest: dict) -> Path:
-        """Config, tokenizer, recipe and manifest (sha256 per file) beside the shards, then the rename."""
+        """Config, tokenizer, recipe and manifest (sha256 per file) beside the shards, in the
+        temporary folder, which is returned: ``publish`` puts it in place."""
         try:
             self.shards.close()
             _write_adapter(self.loras, self.tmp)
             config = model.config.to_dict()
+            config.pop("auto_map", None)  # code references: an export runs no code from a repository
             config.pop("quantization_config", None)
             qconfig = quantization_config(self.linears, self.format or "pack-quantized")
             if qconfig is not None:
@@ -340,9 +401,17 @@ class Export:
             files = {str(p.relative_to(self.tmp)): _sha256(p) for p in sorted(self.tmp.rglob("*")) if p.is_file()}
             manifest = {**manifest, "versions": _versions(), "files": files}
             (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        except BaseException:
+            self.abort()
+            raise
+        return self.tmp
+
+    def publish(self) -> Path:
+        """Rename the finished folder into place (replacing an earlier export under --overwrite)."""
+        try:
             if self.out.exists():
                 check_output(self.out, self.overwrite)
-                trash = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-", dir=self.out.parent))
+                trash = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.old-{os.getpid()}-", dir=self.out.parent))
                 os.replace(self.out, trash / self.out.name)
                 os.replace(self.tmp, self.out)
                 shutil.rmtree(trash, ignore_errors=True)
@@ -372,7 +441,8 @@ def export(model, tokenizer, out: str | Path, recipe_text: str, manifest: dict, 
     except BaseException:
         writer.abort()
         raise
-    return writer.finish(model, tokenizer, recipe_text, manifest)
+    writer.finish(model, tokenizer, recipe_text, manifest)
+    return writer.publish()
 
 
 def size_on_disk(folder: Path) -> int:

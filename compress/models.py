@@ -101,10 +101,32 @@ def resolve(source: str) -> Path | str:
         return _convert_gguf(source)
     path = Path(source).expanduser()
     if path.exists():
-        if not (path / "config.json").exists():
-            raise ModelLoadError(f"{source} has no config.json: pass a Hugging Face model folder")
+        _check_folder(path)
         return path
+    if source.startswith(("/", ".", "~")) or source.count("/") > 1:  # a path, not a hub id (owner/name)
+        raise ModelLoadError(f"{source}: no such folder; pass a Hugging Face model folder, a hub id or an alias "
+                             f"({', '.join(ALIASES)})")
     return source
+
+
+def _check_folder(path: Path) -> None:
+    """A local model folder we can read safely: a JSON config that names no code, safetensors weights."""
+    if not path.is_dir() or not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json: pass a Hugging Face model folder")
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path}/config.json is not valid JSON ({e}); re-download or fix it") from None
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}/config.json is not a JSON object; re-download or fix it")
+    if "auto_map" in config:
+        raise ModelLoadError(f"{path}/config.json names code to run (auto_map); compress runs no code from a "
+                             "model folder: use a model whose architecture transformers has built in")
+    if not any(path.glob("*.safetensors")):
+        pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
+        why = (f" only {', '.join(pickles[:2])}: pickle files, which can run code when loaded, so they are "
+               "refused; convert them to safetensors" if pickles else ": export the model as safetensors")
+        raise ModelLoadError(f"{path} has no *.safetensors weights,{why}")
 
 
 def _dequantize_on_load(where) -> dict:
@@ -244,4 +266,12 @@ def pick_device(name: str | None) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ModelLoadError(f"--device {name}: no CUDA device is available here; use --device cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"--device {name}: give cpu, cuda or cuda:N")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device

@@ -59,6 +59,7 @@ class Recipe:
         self.passes = passes
         self.text = text  # the YAML as written, copied into the export
         self.name = name
+        self.source: Path | None = None  # the file it was read from (``load``)
 
     def __getattr__(self, key):
         return getattr(self.fields, key)
@@ -100,7 +101,10 @@ def parse(text: str, name: str = "recipe") -> Recipe:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise RecipeError(f"{name}: not valid YAML ({str(e).splitlines()[0]})") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise RecipeError(f"{name}: not valid YAML{where} ({problem})") from None
     if not isinstance(data, dict):
         raise RecipeError(f"{name}: a recipe is a YAML mapping with at least a 'passes' list")
     try:
@@ -192,7 +196,17 @@ def load(path: str | Path) -> Recipe:
         if not shipped.exists():
             raise RecipeError(f"no recipe file {path}; `compress recipes` lists the shipped ones")
         path = shipped
-    return parse(path.read_text(encoding="utf-8"), path.stem)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path} is a folder, not a file; give a .yaml file or a shipped recipe's name")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise RecipeError(f"recipe {path} is not a UTF-8 text file; give a YAML recipe") from None
+    except OSError as e:
+        raise RecipeError(f"recipe {path} cannot be read ({e.strerror})") from None
+    recipe = parse(text, path.stem)
+    recipe.source = path
+    return recipe
 
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"

@@ -8,6 +8,8 @@ on each. Peak RSS is the child process's own (wait4), not this script's. Rows pr
 
     python scripts/bench_scale.py --layers 2 4 8 16 32 --gptq-layers 2 4 --root /big/disk/bench-scale
     python scripts/bench_scale.py --layers 56 --root /big/disk/bench-scale      # larger than RAM
+    python scripts/bench_scale.py --layers 2 --gptq-layers 2 --data-recipe wanda-50 --samples 16 \
+        --spill /big/disk/spill --root /big/disk/bench-scale                     # activations in files
 
 Random weights measure memory and time, not quality: perplexities are meaningless here.
 """
@@ -121,7 +123,10 @@ def main() -> None:
     ap.add_argument("--root", type=Path, required=True, help="a folder on a disk with room for the checkpoints")
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--seqlen", type=int, default=256)
-    ap.add_argument("--samples", type=int, default=4, help="gptq calibration samples")
+    ap.add_argument("--samples", type=int, default=4, help="calibration samples of the data recipe")
+    ap.add_argument("--data-recipe", default="gptq-w4", help="the recipe with calibration run on --gptq-layers")
+    ap.add_argument("--spill", type=Path, help="run the data recipe without evaluation, in RAM and with --spill "
+                                                "in this folder")
     ap.add_argument("--keep", action="store_true", help="keep the exports (they are removed after each row)")
     args = ap.parse_args()
 
@@ -142,17 +147,24 @@ def main() -> None:
         files = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
         size = sum((folder / f).stat().st_size for f in files) / 1e9
         params = size / 2  # bf16
-        for recipe in ["rtn-w4"] + (["gptq-w4"] if layers in args.gptq_layers else []):
+        rows = [("rtn-w4", [])]
+        if layers in args.gptq_layers and not args.spill:
+            rows.append((args.data_recipe, ["--samples", str(args.samples)]))
+        elif layers in args.gptq_layers:  # without evaluation, whose peak would hide the calibration's
+            calibrate = ["--samples", str(args.samples), "--no-eval"]
+            rows += [(args.data_recipe, calibrate), (args.data_recipe, calibrate + ["--spill", str(args.spill)])]
+        for recipe, extra in rows:
             out = args.root / f"out-{recipe}-{layers}L"
             cmd = compress_cli + ["apply", recipe, "--model", str(folder), "--output", str(out), "--overwrite",
-                                  "--windows", str(args.windows), "--seqlen", str(args.seqlen), "--device", "cpu"]
-            if recipe == "gptq-w4":
-                cmd += ["--samples", str(args.samples)]
+                                  "--windows", str(args.windows), "--seqlen", str(args.seqlen), "--device", "cpu",
+                                  *extra]
             rss, wall, log = run(cmd)
             plan = re.search(r"peak RAM ≈ ([\d.]+) GB", log)
             e_rss, e_wall, _ = run(compress_cli + ["eval", str(out), "--windows", str(args.windows),
                                                    "--seqlen", str(args.seqlen), "--device", "cpu"])
-            print(f"| {layers} | {params:.2f} | {size:.1f} | {recipe} | {rss:.2f} | {plan.group(1) if plan else '?'} | "
+            said = [f"{args.samples} samples"] + ["no eval"] * ("--no-eval" in extra) + ["spilled"] * ("--spill" in extra)
+            name = recipe + (f" ({', '.join(said)})" if extra else "")
+            print(f"| {layers} | {params:.2f} | {size:.1f} | {name} | {rss:.2f} | {plan.group(1) if plan else '?'} | "
                   f"{wall:.0f} | {e_rss:.2f} | {e_wall:.0f} |", flush=True)
             if not args.keep:
                 shutil.rmtree(out)

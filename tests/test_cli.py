@@ -36,7 +36,7 @@ def test_apply_exports_and_reports(tmp_path):
 @pytest.mark.parametrize("body,message", [
     ("passes:\n  - sparsify: {}\n", "unknown pass 'sparsify'"),
     ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits"),
-    ("model: /nonexistent/model\npasses:\n  - rtn: {}\n", "could not load"),
+    ("model: /nonexistent/model\npasses:\n  - rtn: {}\n", "no such folder"),
     ("model: someone/not-a-local-model\npasses:\n  - rtn: {}\n", "pass a local Hugging Face folder"),
     ("passes:\n  - rtn: {}\nevaluation: {ppl: /nonexistent/text.txt}\n", "unknown text source"),
 ])

@@ -74,8 +74,8 @@ class Datastore:
             if not all(type(t) is int for tokens in sequences for t in tokens):
                 raise TypeError
         except (OSError, ValueError, KeyError, TypeError):
-            raise DecodeError(f"{path} is not a compress datastore (JSON with 'tokenizer' and 'sequences'); "
-                              "give a new file name to start one") from None
+            raise DecodeError(f"--datastore {path} is not a compress datastore (JSON with 'tokenizer' and "
+                              "'sequences'); give a new file name to start one") from None
         if saved_id != tokenizer_id:
             raise DecodeError(f"{path} was written with another tokenizer; give a new file name for this model")
         return cls(sequences, tokenizer_id=tokenizer_id)

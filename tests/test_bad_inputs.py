@@ -1,0 +1,319 @@
+"""Bad input of every kind gets exit status 2 and one line naming what to change, and leaves the
+disk as it was: nothing created, nothing deleted (a snapshot of the test's folder before and after)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from compress.cli import main
+from compress.export import MANIFEST
+
+from conftest import tiny
+
+RECIPE = "passes:\n  - rtn: {bits: 4, group_size: 32}\nevaluation: {windows: 1, seqlen: 32}\n"
+DATA_RECIPE = "passes:\n  - gptq: {{bits: 4, group_size: 32}}\ncalibration: {{source: {}, samples: 2, seqlen: 16}}\n"
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, smollm2):
+    """A tiny Llama with SmolLM2's tokenizer, and one with a vocabulary of its own (a bad draft)."""
+    root = tmp_path_factory.mktemp("models")
+    model = tiny("llama", hidden=64, layers=2)
+    model.resize_token_embeddings(len(smollm2.tokenizer))
+    model.to(torch.bfloat16).save_pretrained(root / "tiny")
+    smollm2.tokenizer.save_pretrained(root / "tiny")
+    other = tiny("llama", hidden=64, layers=2)  # 128 tokens
+    other.save_pretrained(root / "other-vocab")
+    smollm2.tokenizer.save_pretrained(root / "other-vocab")
+    return root
+
+
+def _copy_model(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(root)): (p.read_bytes() if p.is_file() else None) for p in sorted(root.rglob("*"))}
+
+
+# Each case: (id, setup(tmp, models) -> argv). The setup writes what the case needs; the snapshot
+# is taken after it. The expected words must appear in the one error line.
+def _recipe(tmp, text, name="r.yaml"):
+    (tmp / name).write_text(text) if isinstance(text, str) else (tmp / name).write_bytes(text)
+    return str(tmp / name)
+
+
+def _apply(tmp, m, *extra, recipe=RECIPE):
+    return ["apply", _recipe(tmp, recipe), "--model", str(m / "tiny"), "--output", str(tmp / "out"), *extra]
+
+
+def _exporty(tmp):  # an earlier export of ours
+    (tmp / "out").mkdir()
+    (tmp / "out" / MANIFEST).write_text("{}")
+
+
+def _notes(tmp):
+    (tmp / "notes").mkdir()
+    (tmp / "notes" / "todo.txt").write_text("mine")
+    return str(tmp / "notes")
+
+
+def _bad_model(tmp, m, change):
+    folder = _copy_model(m / "tiny", tmp / "bad-model")
+    change(folder)
+    return ["apply", _recipe(tmp, RECIPE), "--model", str(folder), "--output", str(tmp / "out")]
+
+
+def _truncate(folder):
+    f = folder / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:5000])
+
+
+def _bad_header(folder):
+    f = folder / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes((100).to_bytes(8, "little") + b"{not json" + data[17:])
+
+
+def _auto_map(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _pickle_only(folder):
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+
+
+def _data(tmp, name, content):
+    path = tmp / name
+    path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
+    return str(path)
+
+
+def _decode(m, *extra, prompt="hello"):
+    return ["decode", str(m / "tiny"), "--prompt", prompt, *extra]
+
+
+CASES = {
+    # recipes
+    "recipe is a folder": (lambda t, m: ["apply", str(t)], "is a folder"),
+    "recipe is binary": (lambda t, m: ["apply", _recipe(t, b"\xff\xfe\x00\x81" * 10)], "not a UTF-8"),
+    "recipe is missing": (lambda t, m: ["apply", str(t / "nope.yaml")], "no recipe file"),
+    "recipe YAML syntax": (lambda t, m: ["apply", _recipe(t, "passes:\n  - rtn: {bits: 4\n")], "line"),
+    "recipe is a list": (lambda t, m: ["apply", _recipe(t, "- rtn\n")], "YAML mapping"),
+    "recipe is empty": (lambda t, m: ["apply", _recipe(t, "")], "YAML mapping"),
+    "recipe unknown pass": (lambda t, m: ["apply", _recipe(t, "passes:\n  - nosuch: {}\n")], "nosuch"),
+    "recipe bad bits": (lambda t, m: ["apply", _recipe(t, "passes:\n  - rtn: {bits: 5}\n")], "bits"),
+    "recipe unknown key": (lambda t, m: ["apply", _recipe(t, "passes:\n  - rtn: {bitz: 4}\n")], "bitz"),
+    "recipe python tag": (lambda t, m: ["apply", _recipe(t, "passes: !!python/object/apply:os.system ['true']\n")],
+                          "YAML"),
+    "recipe no passes": (lambda t, m: ["apply", _recipe(t, "seed: 1\n")], "passes"),
+    "recipe negative samples": (lambda t, m: ["apply", _recipe(t, RECIPE + "calibration: {samples: -1}\n")],
+                                "samples"),
+    "apply --device tpu": (lambda t, m: _apply(t, m, "--device", "tpu"), "--device tpu"),
+    "apply --device cuda:7": (lambda t, m: _apply(t, m, "--device", "cuda:7"), "--device cuda:7"),
+    "apply unknown flag": (lambda t, m: _apply(t, m, "--bits", "4"), "--bits"),
+    # outputs
+    "output exists": (lambda t, m: (_exporty(t), _apply(t, m))[1], "--overwrite"),
+    "overwrite a folder of notes": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"),
+                                                  "--output", _notes(t), "--overwrite"], "not an export"),
+    "overwrite the current folder": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"),
+                                                   "--output", ".", "--overwrite"], "current folder"),
+    "overwrite a folder above": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"),
+                                               "--output", "..", "--overwrite"], "above"),
+    "overwrite the home folder": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"),
+                                                "--output", str(Path.home()), "--overwrite"], "home"),
+    "overwrite the model folder": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(
+        _copy_model(m / "tiny", t / "model-copy")), "--output", str(t / "model-copy"), "--overwrite"], "input of this run"),
+    "overwrite an export holding the model": (lambda t, m: (
+        _copy_model(m / "tiny", t / "exp"), (t / "exp" / MANIFEST).write_text("{}"),
+        ["apply", _recipe(t, RECIPE), "--model", str(t / "exp"), "--output", str(t / "exp"), "--overwrite"])[-1],
+        "input of this run"),
+    "overwrite the recipe's folder": (lambda t, m: (
+        (t / "recipes").mkdir(), (t / "recipes" / MANIFEST).write_text("{}"),
+        ["apply", _recipe(t / "recipes", RECIPE), "--model", str(m / "tiny"), "--output", str(t / "recipes"),
+         "--overwrite"])[-1], "input of this run"),
+    "output parent is a file": (lambda t, m: ((t / "file").write_text("x"),
+                                              _apply(t, m)[:-1] + [str(t / "file" / "out")])[1], "is a file"),
+    "output is a file": (lambda t, m: ((t / "out").write_text("x"), _apply(t, m, "--overwrite"))[1],
+                         "not an export"),
+    "--spill is missing": (lambda t, m: _apply(t, m, "--spill", str(t / "nope"), recipe=DATA_RECIPE.format(
+        "wikitext2")), "--spill"),
+    # models
+    "model folder missing": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(t / "nope")], "nope"),
+    "model truncated safetensors": (lambda t, m: _bad_model(t, m, _truncate), "model.safetensors"),
+    "model bad safetensors header": (lambda t, m: _bad_model(t, m, _bad_header), "model.safetensors"),
+    "model with auto_map": (lambda t, m: _bad_model(t, m, _auto_map), "code"),
+    "model pickle only": (lambda t, m: _bad_model(t, m, _pickle_only), "pickle"),
+    "model without config": (lambda t, m: _bad_model(t, m, lambda f: (f / "config.json").unlink()), "config.json"),
+    "model config not JSON": (lambda t, m: _bad_model(t, m, lambda f: (f / "config.json").write_text("{")),
+                              "config.json"),
+    "model hub id offline": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", "nobody/nothing-9z"], "nobody"),
+    # calibration and evaluation text
+    "calibration file missing": (lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(str(t / "none.txt"))),
+                                 "none.txt"),
+    "calibration text not UTF-8": (lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(
+        _data(t, "bin.txt", b"\xff\xfe" * 100))), "UTF-8"),
+    "calibration jsonl text not a string": (lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(
+        _data(t, "d.jsonl", '{"text": 5}\n'))), "text"),
+    "calibration jsonl not JSON": (lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(
+        _data(t, "e.jsonl", "not json\n"))), "jsonl"),
+    "eval model missing": (lambda t, m: ["eval", str(t / "nope")], "nope"),
+    "eval --ppl missing file": (lambda t, m: ["eval", str(m / "tiny"), "--ppl", str(t / "none.txt")], "none.txt"),
+    "eval --ppl not UTF-8": (lambda t, m: ["eval", str(m / "tiny"), "--ppl", _data(t, "b.txt", b"\xff" * 50)],
+                             "UTF-8"),
+    "eval --reference missing": (lambda t, m: ["eval", str(m / "tiny"), "--reference", str(t / "ref")], "ref"),
+    # decoding
+    "decode --raw empty prompt": (lambda t, m: _decode(m, "--raw", prompt=""), "prompt"),
+    "decode model missing": (lambda t, m: ["decode", str(t / "nope"), "--prompt", "hi"], "nope"),
+    "decode draft missing": (lambda t, m: _decode(m, "--method", "draft", "--draft", str(t / "nope")), "nope"),
+    "decode draft of another vocabulary": (lambda t, m: _decode(m, "--method", "draft", "--draft",
+                                                                str(m / "other-vocab")), "vocabulary"),
+    "decode --layers out of range": (lambda t, m: _decode(m, "--method", "self-spec", "--layers", "0-99"),
+                                     "--layers"),
+    "decode prompt longer than the context": (lambda t, m: _decode(m, "--raw", prompt="word " * 400), "context"),
+    "decode --datastore is a folder": (lambda t, m: _decode(m, "--method", "prompt-lookup", "--datastore", str(t)),
+                                       "--datastore"),
+    "decode --datastore not JSON": (lambda t, m: _decode(m, "--method", "prompt-lookup", "--datastore",
+                                                         _data(t, "store.json", "{nope")), "store.json"),
+}
+
+# A flag given a value out of its range (or of the wrong kind): the error names the flag.
+BAD_FLAGS = {
+    "apply": [("--samples", "0"), ("--samples", "-3"), ("--samples", "abc"), ("--windows", "0"),
+              ("--windows", "-1"), ("--seqlen", "0"), ("--seqlen", "1"), ("--max-shard-mb", "0"),
+              ("--seed", "-1"), ("--dtype", "int8")],
+    "eval": [("--windows", "0"), ("--windows", "-1"), ("--seqlen", "0"), ("--seqlen", "1"), ("--device", "tpu")],
+    "decode": [("--top-p", "0"), ("--top-p", "2"), ("--temperature", "-1"), ("--max-new-tokens", "-1"),
+               ("--max-new-tokens", "0"), ("--k", "-3"), ("--k", "0"), ("--threshold", "2"),
+               ("--exit-threshold", "0"), ("--token-cost", "-1"), ("--token-cost", "lots"), ("--window", "0"),
+               ("--ngram", "1"), ("--guesses", "0"), ("--seed", "-2"), ("--method", "nonsense"),
+               ("--kernel", "nonsense")],
+}
+COMMANDS = {"apply": _apply, "eval": lambda t, m, *extra: ["eval", str(m / "tiny"), *extra],
+            "decode": lambda t, m, *extra: _decode(m, *extra)}
+for _command, _pairs in BAD_FLAGS.items():
+    for _flag, _value in _pairs:
+        CASES[f"{_command} {_flag} {_value}"] = (
+            lambda t, m, c=_command, f=_flag, v=_value: COMMANDS[c](t, m, f, v), _flag)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gets_one_line_and_changes_nothing(case, model_folder, tmp_path, monkeypatch, capsys):
+    setup, words = CASES[case]
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    argv = setup(work, model_folder)
+    capsys.readouterr()
+    before, models_before = _snapshot(tmp_path), _snapshot(model_folder)
+    try:
+        code = main(argv)
+    except SystemExit as e:
+        code = e.code
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("compress: ")]
+    assert code == 2, (code, err)
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert words in lines[0], lines[0]
+    assert _snapshot(tmp_path) == before and _snapshot(model_folder) == models_before
+
+
+def test_there_are_sixty_cases_or_more():
+    assert len(CASES) >= 60
+
+
+def test_leftovers_of_a_killed_run_are_removed_and_only_those(tmp_path):
+    from compress.export import Export
+
+    dead = tmp_path / f".out.tmp-{2**22 + 12345}-abc"  # above the kernel's pid limit: no such process
+    alive = tmp_path / f".out.tmp-{os.getpid()}-def"
+    mine = tmp_path / ".out.tmp-notes"  # not our pattern
+    for folder in (dead, alive, mine):
+        folder.mkdir()
+    writer = Export(tmp_path / "out")
+    writer.abort()
+    assert not dead.exists() and alive.exists() and mine.exists()
+
+
+def _mutations():
+    """Recipes: the shipped ones, each changed at one place (a value replaced, a key dropped or added)."""
+    import yaml
+    from hypothesis import strategies as st
+
+    from compress.recipe import RECIPES_DIR
+
+    shipped = [yaml.safe_load(p.read_text()) for p in sorted(RECIPES_DIR.glob("*.yaml"))]
+    values = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True),
+                       st.text(max_size=8), st.lists(st.integers(-1, 9), max_size=3),
+                       st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
+
+    @st.composite
+    def mutated(draw):
+        recipe = copy.deepcopy(draw(st.sampled_from(shipped)))
+        spots, stack = [], [(recipe, ())]
+        while stack:  # every mapping and list inside, with its keys
+            node, path = stack.pop()
+            keys = list(node) if isinstance(node, dict) else range(len(node)) if isinstance(node, list) else []
+            for k in keys:
+                spots.append((node, k))
+                stack.append((node[k], path + (k,)))
+        node, key = draw(st.sampled_from(spots))
+        how = draw(st.sampled_from(["replace", "drop", "add"]))
+        if how == "replace" or not isinstance(node, dict):
+            node[key] = draw(values)
+        elif how == "drop":
+            del node[key]
+        else:
+            node[draw(st.text(min_size=1, max_size=6))] = draw(values)
+        return recipe
+
+    return mutated()
+
+
+def test_mutated_recipes_give_a_clean_error_or_a_checked_plan():
+    import yaml
+    from hypothesis import HealthCheck, given, settings
+
+    from compress.passes import RecipeError
+    from compress.recipe import parse
+
+    model = tiny("llama", hidden=64, layers=2)
+
+    @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(_mutations())
+    def check(recipe):
+        try:
+            parsed = parse(yaml.safe_dump(recipe))
+            for p in parsed.passes:
+                p.check(model)
+        except RecipeError as e:
+            assert str(e) and "\n" not in str(e).strip(), str(e)
+
+    check()
+
+
+def test_exports_are_readable_by_others_and_name_no_code(tmp_path, smollm2):
+    from compress.export import export
+
+    model = tiny("llama", hidden=64, layers=1)
+    model.config.auto_map = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    mask = os.umask(0o022)
+    try:
+        out = export(model, smollm2.tokenizer, tmp_path / "out", "passes: []\n", {})
+    finally:
+        os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o777 == 0o644 for f in out.rglob("*") if f.is_file())
+    assert "auto_map" not in json.loads((out / "config.json").read_text())
