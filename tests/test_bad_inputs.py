@@ -291,7 +291,8 @@ def test_mutated_recipes_give_a_clean_error_or_a_checked_plan():
 
     model = tiny("llama", hidden=64, layers=2)
 
-    @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
     @given(_mutations())
     def check(recipe):
         try:
