@@ -89,7 +89,7 @@ class SpilledList:
 
     def __init__(self, root: Path, device: torch.device):
         self.folder = Path(tempfile.mkdtemp(prefix="activations-", dir=root))
-        self._remove = weakref.finalize(self, shutil.rmtree, self.folder, True)
+        weakref.finalize(self, shutil.rmtree, self.folder, True)
         self.device, self.entries, self.written = device, [], 0
 
     def _write(self, t: torch.Tensor) -> tuple:
@@ -119,9 +119,6 @@ class SpilledList:
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
-
-    def close(self) -> None:
-        self._remove()
 
 
 def activation_store(spill: str | Path | None, device: torch.device) -> Callable[[], list]:
