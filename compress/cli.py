@@ -236,7 +236,7 @@ def _number(low: float, high: float = math.inf, low_open: bool = False, auto: bo
             x = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r}: write a number{' or auto' if auto else ''}") from None
-        if not (low < x if low_open else low <= x) or not x <= high or math.isnan(x):
+        if not (low < x if low_open else low <= x) or not x <= high:  # (NaN fails both)
             span = f"in {'(' if low_open else '['}{low:g}, {high:g}]" if high < math.inf else f"of {low:g} or more"
             raise argparse.ArgumentTypeError(f"give a number {span}; got {text}")
         return x
