@@ -83,11 +83,10 @@ def _decode(args) -> None:
     if args.kernel == "int4" and not kernels.int4_kernel_available(device):
         raise decode.DecodeError(f"--kernel int4: this torch build has no int4 kernel for {device.type} "
                                  "(on a GPU it needs compute capability 8.0 or newer); use --kernel auto")
-    if args.method is None:  # on a GPU, speculation does not pay yet and is not exact yet (docs/results.md)
-        args.method = "greedy" if device.type == "cuda" and not (args.draft or args.datastore) else "prompt-lookup"
-    elif device.type == "cuda" and args.method in ("prompt-lookup", "draft", "self-spec"):
-        print(f"[decode: on CUDA, --method {args.method} verifies in steps that do not yet round exactly like "
-              "one-token steps in bf16: its output can differ from --method greedy at near-ties]", file=sys.stderr)
+    args.method = args.method or "prompt-lookup"
+    if device.type == "cuda" and args.method == "lookahead":  # docs/results.md, the CUDA section
+        print("[decode: on CUDA, lookahead's tree steps run without CUDA graphs and round unlike them: slower than "
+              "--method greedy there, and its output can differ from greedy's at near-ties]", file=sys.stderr)
     loaded = models.load(args.model, models.parse_dtype(args.dtype))
     model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
     if args.raw or tokenizer.chat_template is None:
@@ -311,8 +310,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="exported folder, local HF folder or alias")
     p.add_argument("--prompt", required=True)
     p.add_argument("--method", choices=["greedy", "prompt-lookup", "draft", "self-spec", "lookahead", "early-exit"],
-                   help="default: prompt-lookup on a CPU, greedy on a GPU. All but early-exit are lossless: greedy "
-                        "output, or the target's sampling distribution")
+                   help="default: prompt-lookup. All but early-exit are lossless: greedy output, or the target's "
+                        "sampling distribution (lookahead on CUDA: not exact)")
     p.add_argument("--layers", default="auto", help="self-spec: the layers that draft, e.g. 0-11 or 0-14,16,18 "
                                                     "(default auto: searched for speed on two calibration prompts)")
     p.add_argument("--draft", help="draft model for --method draft (e.g. a compressed export of the same model), or "

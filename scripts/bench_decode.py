@@ -220,6 +220,7 @@ def main() -> None:
     rows["ours greedy, eager"] = engine_row(base, graphs=False) if cuda else engine_row(base)
     if cuda:  # the engine does not combine compiling with its CUDA graphs yet
         rows["ours greedy, CUDA graphs"] = engine_row(base)
+        rows["ours greedy, CUDA graphs of 1 row (unpadded)"] = engine_row(base, step_rows=1)
     else:
         rows["ours greedy, compiled"] = engine_row(base, compile=True)
     w4, how = dict(compile=not cuda, kernel=args.w4_kernel), "CUDA graphs" if cuda else "compiled"
@@ -233,13 +234,14 @@ def main() -> None:
     if args.w8a8:
         w8a8 = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)
         rows[f"ours W8A8 greedy ({Path(args.w8a8).name}), eager"] = engine_row(w8a8)
-    rows["ours prompt lookup, eager"] = engine_row(base, "lookup")
-    rows["ours W4 self-draft, eager"] = engine_row(base, "draft")
-    rows["ours W4 self-draft + prompt lookup, eager"] = engine_row(base, "lookup+draft")
+    plain = "CUDA graphs" if cuda else "eager"  # the target's steps (a W4 draft: its own graphs, or eager)
+    rows[f"ours prompt lookup, {plain}"] = engine_row(base, "lookup")
+    rows[f"ours W4 self-draft, {plain}"] = engine_row(base, "draft")
+    rows[f"ours W4 self-draft + prompt lookup, {plain}"] = engine_row(base, "lookup+draft")
     if not cuda:  # speculation on the compiled target (the W4 draft stays eager)
         rows["ours prompt lookup, compiled"] = engine_row(base, "lookup", compile=True)
         rows["ours W4 self-draft + prompt lookup, compiled"] = engine_row(base, "lookup+draft", compile=True)
-    rows["ours lookahead (W=3 N=3 G=4), eager"] = engine_row(base, "lookahead")
+    rows[f"ours lookahead (W=3 N=3 G=4), {plain}"] = engine_row(base, "lookahead")
 
     def early_exit_row():
         from compress.arch import decoder_layers

@@ -1,7 +1,7 @@
 """What one engine step of k tokens costs, and whether it rounds like k one-token steps.
 
     python scripts/step_cost.py [--model smollm2-135m] [--prompt-tokens 300] [--counts 1 2 4 8 16]
-        [--kernel auto] [--no-graphs] [--repeats 20] [--compile]
+        [--kernel auto] [--no-graphs] [--step-rows R] [--repeats 20] [--compile]
 
 Speculation lives on two facts this prints per token count k, after a wikitext prompt: the
 median milliseconds of a k-token forward (a verify step; k = 1 is the plain step), and whether
@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--kernel", default="auto")
     parser.add_argument("--no-graphs", action="store_true", help="on a GPU, run the steps without CUDA graphs")
+    parser.add_argument("--step-rows", type=int, help="rows every graph or compiled step is padded to (the engine's step_rows)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--compile", action="store_true", help="also the compiled engine's table, and its one-token step against eager")
     args = parser.parse_args()
@@ -46,11 +47,11 @@ def main() -> None:
     text = data.tokenize(loaded.tokenizer, data.load_text("wikitext2", "test"))
     prompt = text[5000 : 5000 + args.prompt_tokens].reshape(1, -1).to(device)
     following = text[5000 + args.prompt_tokens :][: max(args.counts)].tolist()
-    engine = Engine(model, kernel=args.kernel, graphs=False if args.no_graphs else None)
+    engine = Engine(model, kernel=args.kernel, graphs=False if args.no_graphs else None, step_rows=args.step_rows)
     print(f"command: python {shlex.join(sys.argv)}")
     print(f"machine: {machine()}")
     print(f"engine: {engine.describe()}; stream {str(engine.dtype).removeprefix('torch.')}; "
-          f"CUDA graphs {'on' if engine.graphs else 'off'}\n")
+          f"CUDA graphs {'on' if engine.graphs else 'off'}; steps of {engine.step_rows} rows\n")
     table(engine, prompt, following, args)
     if args.compile:
         compare_compiled(engine, model, prompt, following, args)

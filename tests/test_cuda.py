@@ -80,7 +80,7 @@ def test_cuda_graph_steps_equal_eager_steps_and_speculation_equals_greedy(model_
     assert graphed.graphs
     plain = greedy(graphed, prompt, 40)
     assert plain.tokens == greedy(eager, prompt, 40).tokens
-    assert graphed.max_len >= 80 and 1 in graphed.captured
+    assert graphed.max_len >= 80 and list(graphed.captured) == [graphed.step_rows] == [8]  # one padded graph
     fast = speculate(graphed, prompt, 40, PromptLookup(), k=5)
     assert fast.tokens == plain.tokens and fast.forwards < plain.forwards
 
@@ -98,3 +98,17 @@ def test_cuda_int4_kernel_computes_the_dequantized_weights():
     reference = x.float() @ dequantize(qw.q, qw.scale, qw.zero_point, torch.float32).to(CUDA).t()
     error = (matmul(x).float() - reference).norm() / reference.norm()
     assert error < 1e-2, error
+
+
+def test_cuda_graph_verify_step_rounds_as_one_token_steps_in_bf16():
+    from compress.decode.engine import Engine
+
+    model = tiny("llama", layers=4).to(CUDA, torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(2)).to(CUDA)
+    engine = Engine(model)
+    assert engine.dtype == torch.bfloat16 and engine.step_tokens == 8
+    engine.forward(ids[:, :32], all_logits=False)
+    together = engine.forward(ids[0, 32:])
+    engine.crop(8)
+    one_by_one = torch.cat([engine.forward(ids[0, t : t + 1]) for t in range(32, 40)])
+    assert torch.equal(together, one_by_one)

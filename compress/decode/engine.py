@@ -106,18 +106,18 @@ class Engine:
     cache length are dynamic, so one graph serves every step). The package is kept on disk per
     machine and weights (``_compiled``): the first process compiles (about a minute for
     SmolLM2), later ones load it in about a second. Eager if it fails. One-token and verify steps run the same graph, so
-    speculation on it reproduces its greedy exactly. ``step_rows`` (default: 8 where every kernel
-    is a float GEMM, whose extra rows ride along with the weight reads; 1 over integer kernels,
-    whose cost grows with the rows, and then speculation on it has no room and is plain greedy).
+    speculation on it reproduces its greedy exactly. ``step_rows`` (default: 8 on CUDA graphs,
+    and on a CPU where every kernel is a float GEMM, whose extra rows ride along with the weight
+    reads; 1 over a CPU's integer kernels, whose cost grows with the rows, and then speculation
+    on it has no room and is plain greedy).
     Prompts and longer steps run eager. On the CPU ``auto`` then keeps bf16 wherever exact.
 
-    ``graphs`` (default: on a GPU): steps of up to ``kernels.VERIFY_ROWS`` tokens (one-token
-    steps and speculative verify steps) replay a CUDA graph captured once per token count,
-    so a small model's step costs the GPU's time, not one Python launch per operation. A graph
-    needs fixed shapes, so these steps attend over every cache slot with a mask of the filled
-    ones (the dynamic path attends over the filled part only). ``compile`` is not combined with
-    graphs yet (said in one line). On an H100 in bf16, verify steps do not yet round exactly
-    like one-token steps, so speculation there is not token-identical to greedy (docs/results.md).
+    ``graphs`` (default: on a GPU): steps of up to ``step_rows`` tokens (one-token steps and
+    speculative verify steps alike) replay one CUDA graph of ``step_rows`` rows (``_replay``), so
+    a small model's step costs the GPU's time, not one Python launch per operation, and a verify
+    step rounds as one-token steps do. A graph needs fixed shapes, so these steps attend over
+    every cache slot with a mask of the filled ones (the dynamic path attends over the filled
+    part only). ``compile`` is not combined with graphs yet (said in one line).
 
     A model carrying a KIVI scheme (the ``kv_cache`` pass) gets KIVI's numerics: once the
     full-precision window holds ``residual`` tokens, they are quantized and replaced in the
@@ -195,8 +195,9 @@ class Engine:
         self._allocate(max_len + (2 * SPAN_ALIGN if compile else 0))
         self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
         self.compiled, self.compile_seconds, self.note, self.exited = None, 0.0, "", None
-        if step_rows is None:  # extra rows ride along with a float GEMM's weight reads, not an integer kernel's
-            step_rows = STEP_ROWS if all(kernels.rows_ride_along(f) for f in self.formats.values()) else 1
+        if step_rows is None:  # extra rows ride along with a float GEMM's weight reads, not with an integer
+            # kernel's on a CPU; a GPU's step at a few rows is launch-bound whatever the kernel
+            step_rows = STEP_ROWS if self.graphs or all(map(kernels.rows_ride_along, self.formats.values())) else 1
         if not 1 <= step_rows <= kernels.VERIFY_ROWS:
             raise DecodeError(f"step_rows={step_rows}: give 1 to {kernels.VERIFY_ROWS}")
         self.step_rows = step_rows
@@ -215,7 +216,7 @@ class Engine:
     @property
     def step_tokens(self) -> int:
         """The most tokens one step computes exactly as one-token steps do (a verify step's limit)."""
-        return self.step_rows if self.compiled is not None else kernels.VERIFY_ROWS
+        return self.step_rows if self.compiled is not None or self.graphs else kernels.VERIFY_ROWS
 
     def _allocate(self, max_len: int) -> None:
         """Cache slots and rotary tables for ``max_len`` positions (kept entries are copied over)."""
@@ -312,8 +313,8 @@ class Engine:
             if count != 1:
                 raise DecodeError("early exit decides per token: give one token")
             logits = self.logits(self._body(ids, positions, start + 1, exit_when=exit_when))
-        elif self.graphs and count <= kernels.VERIFY_ROWS:
-            logits = self._replay(ids, positions)
+        elif self.graphs and count <= self.step_rows and start + self.step_rows <= self.context:
+            logits = self._replay(ids, start)
         elif self.compiled is not None and count <= self.step_rows and start + self.step_rows + SPAN_ALIGN <= self.context:
             logits = self._run_compiled(ids, start)  # (near the end of the context: eager, below)
         else:
@@ -368,16 +369,25 @@ class Engine:
 
     def _static_body(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits of a step with fixed shapes: attention spans every cache slot, masked."""
-        return self.logits(self._body(ids, positions, self.max_len, static=True))
+        return self.logits(self._body(ids, positions, self.max_len, static=True), whole=True)
 
-    def _replay(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """A step of ``len(ids)`` tokens through its CUDA graph, captured on the first such step.
+    def _replay(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """A step of up to ``step_rows`` tokens through the one CUDA graph, captured on the first step.
 
-        The first step runs for real (warming up on a side stream, as capture requires: lazy
-        library handles, the row-exactness probe of each matmul), then is recorded; recording
-        runs nothing, so the cache holds that step's keys and values exactly once."""
-        count = ids.numel()
-        if count not in self.captured:
+        As in ``_run_compiled``, one-token and verify steps run the same kernels on the same
+        shapes, so speculation reproduces greedy bit for bit: the tokens are padded to
+        ``step_rows`` rows (copies of the last, written to slots past the real ones, which no
+        real row attends to and a later step overwrites). Per-count graphs over unpadded rows
+        did not: cuBLAS picks its kernel by the row count, and on an H100 in bf16 a verify step
+        rounded differently from one-token steps (docs/results.md). The first step runs for real
+        (warming up on a side stream, as capture requires: lazy library handles), then is
+        recorded; recording runs nothing, so the cache holds that step's keys and values once."""
+        count, rows = ids.numel(), self.step_rows
+        if start + rows > self.max_len:
+            self._allocate(max(2 * self.max_len, start + rows))
+        ids = torch.cat([ids, ids[-1:].expand(rows - count)])
+        positions = torch.arange(start, start + rows, device=self.device)
+        if rows not in self.captured:
             static_ids, static_positions = ids.clone(), positions.clone()
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
@@ -387,17 +397,18 @@ class Engine:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.graph_pool):
                 out = self._static_body(static_ids, static_positions)
-            self.captured[count] = (graph, static_ids, static_positions, out)
-            return logits
-        graph, static_ids, static_positions, out = self.captured[count]
+            self.captured[rows] = (graph, static_ids, static_positions, out)
+            return logits[:count]
+        graph, static_ids, static_positions, out = self.captured[rows]
         static_ids.copy_(ids)
         static_positions.copy_(positions)
         graph.replay()
-        return out.clone()  # graphs share one memory pool: the next replay may overwrite ``out``
+        return out[:count].clone()  # graphs share one memory pool: the next replay may overwrite ``out``
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of residual states ``x`` (final norm, lm_head, soft-capping)."""
-        logits = self.lm_head(self.final_norm(x)).float()
+    def logits(self, x: torch.Tensor, whole: bool = False) -> torch.Tensor:
+        """Float32 logits of residual states ``x`` (final norm, lm_head, soft-capping); ``whole``:
+        see ``kernels.Matmul``."""
+        logits = self.lm_head(self.final_norm(x), whole).float()
         cap = self.softcap_logits
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -413,8 +424,9 @@ class Engine:
     def _body(self, ids: torch.Tensor, positions: torch.Tensor, span: int, static: bool = False,
               exit_when=None, cache=None, tree: list[torch.Tensor] | None = None) -> torch.Tensor:
         """The decoder blocks over new tokens at ``positions``, attending to cache slots ``[0, span)``;
-        ``static``: every token under a mask (the span may run past the tokens), and no value read
-        back to the host (fixed shapes, for a CUDA graph or a compiled step). ``exit_when``: see
+        ``static``: every token under a mask (the span may run past the tokens), no value read
+        back to the host, and matmuls over all rows at once (fixed shapes, for a CUDA graph or a
+        compiled step). ``exit_when``: see
         ``forward``. ``cache``: (keys, values, rotary tables) in place of the engine's own (for
         ``_Step``, which takes them as inputs). ``tree``: per token, the cache slots it attends to
         (``forward_tree``; its keys and values then go to the slots after the cache's tokens)."""
@@ -429,7 +441,7 @@ class Engine:
         exited = None
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
             before, h = x, layer.attn_norm(x)
-            q, k, v = layer.qkv(h).split([self.q_size, self.kv_size, self.kv_size], -1)
+            q, k, v = layer.qkv(h, static).split([self.q_size, self.kv_size, self.kv_size], -1)
             q = q.view(count, self.heads, self.head_dim).transpose(0, 1)
             k = k.view(count, self.kv_heads, self.head_dim).transpose(0, 1)
             if layer.q_norm is not None:
@@ -449,10 +461,10 @@ class Engine:
             else:
                 attn = self._attention(q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window],
                                        layer.window, None if static else positions)
-            h = layer.o(attn.transpose(0, 1).reshape(count, self.q_size))
+            h = layer.o(attn.transpose(0, 1).reshape(count, self.q_size), static)
             x = x + (layer.post_attn_norm(h) if layer.post_attn_norm is not None else h)
-            gate, up = layer.gate_up(layer.mlp_norm(x)).chunk(2, -1)
-            h = layer.down(self.act(gate) * up)
+            gate, up = layer.gate_up(layer.mlp_norm(x), static).chunk(2, -1)
+            h = layer.down(self.act(gate) * up, static)
             x = x + (layer.post_mlp_norm(h) if layer.post_mlp_norm is not None else h)
             if exit_when is not None and exit_when(i, before, x):
                 exited = i
@@ -465,12 +477,10 @@ class Engine:
         attends row by row, each over exactly its own prefix, as a one-token step does: SDPA over a
         longer masked span rounds differently (in bf16, enough to flip a near-tie), and lossless
         speculation must give the tokens plain greedy gives. Longer inputs (prompts) are one call.
-        ``positions`` None: fixed shapes, every row over the whole span under its mask row. Compiled:
-        one masked call (the compiled step gets its exactness from ``_run_compiled``)."""
-        if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS or torch.compiler.is_compiling():
+        ``positions`` None: a fixed-shape step (compiled, or a CUDA graph), one masked call over the
+        whole span (its exactness comes from padding every step to the same rows: ``_replay``)."""
+        if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS or positions is None:
             return self._sdpa(q, k, v, mask)
-        if positions is None:
-            return torch.cat([self._sdpa(q[:, i : i + 1], k, v, mask[i : i + 1]) for i in range(q.shape[1])], 1)
         rows = []
         for i, end in enumerate((positions + 1).tolist()):
             rows.append(self._sdpa(q[:, i : i + 1], k[:, :end], v[:, :end],

@@ -184,11 +184,13 @@ class Matmul:
     def __init__(self, bias: torch.Tensor | None):
         self.bias = None if bias is None else bias.detach().to(self.device, self.dtype)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, whole: bool = False) -> torch.Tensor:
+        """``whole``: all rows in one call, also in a verify step (a fixed-shape step, where a
+        one-token step pads to the same rows and so runs the same kernel)."""
         x_in = x.to(self.dtype)
         if torch.compiler.is_compiling():
             y = self.traced(x_in)
-        elif 1 < x_in.shape[0] <= VERIFY_ROWS:
+        elif not whole and 1 < x_in.shape[0] <= VERIFY_ROWS:
             y = torch.cat([self.matmul(part) for part in x_in.split(self.exact_rows)])
         else:
             y = self.matmul(x_in)
