@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import resource
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import data, export, kvcache, memory, models
+from . import data, export, kvcache, memory, models, resume
 from .evaluate import evaluate, windows_of
 from .passes import ModelPass
 from .pipeline import activation_store, run_passes
@@ -49,10 +50,13 @@ class Report:
 def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | None = None,
           device: str | None = None, dtype: str = "bfloat16", seed: int | None = None, overwrite: bool = False,
           evaluate_after: bool = True, eval_windows: int | None = None, eval_seqlen: int | None = None,
-          samples: int | None = None, max_shard_mb: int | None = None, spill: str | Path | None = None) -> Report:
+          samples: int | None = None, max_shard_mb: int | None = None, spill: str | Path | None = None,
+          resume_run: bool = False) -> Report:
     """Read the model a block at a time, compress each block and write it to the export at once,
     then evaluate the export against the original, again a block at a time. ``spill``: a folder
-    where calibration activations are kept in files instead of RAM."""
+    where calibration activations are kept in files instead of RAM. A calibrated sweep keeps
+    each finished block beside the output until the export is in place (``resume``);
+    ``resume_run`` reads them back after a killed run instead of compressing them again."""
     source = model_source or recipe.model
     if max_shard_mb is not None and max_shard_mb < 1:
         raise export.ExportError(f"--max-shard-mb must be at least 1; got {max_shard_mb}")
@@ -81,6 +85,14 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     memory.check(need, dev)
     if spill is not None:
         memory.check_disk(need, spill)
+    checkpoints = None
+    if recipe.needs_data:  # the long sweeps: what makes their blocks what they are, for --resume
+        key = {"recipe": recipe.text, "model": str(source), "seed": seed, "samples": n_samples, "dtype": dtype,
+               "device": dev.type}
+        checkpoints = resume.BlockCheckpoints(out, key, resume_run)
+    elif resume_run:
+        raise resume.ResumeError(f"--resume: {recipe.name} calibrates nothing, so it keeps no blocks to resume "
+                                 "from; run it without --resume")
     if whole:
         model.load_all()  # data-free calibration generates with the whole model; recovery trains it
 
@@ -93,7 +105,8 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     try:  # everything, the report included, goes to the writer's temporary folder; renamed at the end
         prefix = model.prefix
         run_passes(model, ids, recipe.passes, dev, lambda: models.open_streamed(source, torch_dtype).model.load_all(),
-                   on_block=lambda i, block: writer.add(block, f"{prefix}{i}."), store=store)
+                   on_block=lambda i, block: writer.add(block, f"{prefix}{i}."), store=store,
+                   checkpoints=checkpoints)
         writer.add(model.model, skip=prefix.rstrip("."))
         compress_s = time.perf_counter() - start
         totals = writer.totals
@@ -118,8 +131,13 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
         (written / "report.json").write_text(json.dumps(report.as_dict(), indent=2))
     except BaseException:
         writer.abort()
+        if checkpoints is not None and (checkpoints.folder / resume.STATE).is_file():
+            print(f"[compress] the blocks finished so far are kept in {checkpoints.folder}: the same command "
+                  "with --resume continues from them (without it, they are removed)", file=sys.stderr)
         raise
     writer.publish()
+    if checkpoints is not None:
+        checkpoints.remove()
     return report
 
 

@@ -21,9 +21,10 @@ from .lazy import CheckpointError
 from .memory import MemoryPlanError
 from .models import DEFAULT_MODEL, ModelLoadError
 from .passes import RecipeError
+from .resume import ResumeError
 
 USER_ERRORS = (RecipeError, ModelLoadError, DataError, ExportError, UnknownArchitecture, DecodeError, CheckpointError,
-               MemoryPlanError)
+               MemoryPlanError, ResumeError)
 
 
 def _apply(args) -> None:
@@ -33,7 +34,7 @@ def _apply(args) -> None:
     recipe = recipes.load(args.recipe)
     report = apply(recipe, args.model, args.output, args.device, args.dtype, args.seed, args.overwrite,
                    evaluate_after=not args.no_eval, eval_windows=args.windows, eval_seqlen=args.seqlen,
-                   samples=args.samples, max_shard_mb=args.max_shard_mb, spill=args.spill)
+                   samples=args.samples, max_shard_mb=args.max_shard_mb, spill=args.spill, resume_run=args.resume)
     print()
     print(f"model: {report.model}    output: {report.output}")
     print(f"calibration: {report.calibration}")
@@ -293,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-mb", type=_whole(1), help="largest safetensors shard of the export (default 2048)")
     p.add_argument("--spill", metavar="DIR", help="keep calibration activations in files under DIR instead of "
                                                   "RAM (many samples of a big model; the plan prints their size)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a killed run of the same command: the blocks it finished (kept in .OUTPUT.resume "
+                        "beside the output until the export is in place) are read back, not compressed again")
     common(p)
     p.set_defaults(func=_apply)
 
@@ -367,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compress: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("compress: interrupted; nothing was written", file=sys.stderr)
+        print("compress: interrupted; no output was written", file=sys.stderr)
         return 130
     except Exception as e:  # noqa: BLE001 - a bug of ours or a dependency's: one line, the traceback on request
         if getattr(args, "debug", False):

@@ -24,6 +24,7 @@ from .arch import arch_of, decoder_layers
 from .data import DataError
 from .lazy import streamed
 from .models import cast_params, compute_dtype
+from .resume import BlockCheckpoints
 
 
 class _Stop(Exception):
@@ -339,37 +340,60 @@ class BlockData:
             stand_in.settle()
 
 
+def _round_params(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Round floating parameters to ``dtype``'s values, keeping their own dtype."""
+    for p in module.parameters():
+        if p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype).to(p.dtype)
+
+
 def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device,
                    on_block: Callable[[int, torch.nn.Module], None] | None = None, keep: bool = False,
-                   store: Callable[[], list] = list) -> None:
+                   store: Callable[[], list] = list, checkpoints: BlockCheckpoints | None = None) -> None:
     """Apply layer-passes block by block over a ``StreamedModel``. ``ids`` is None when no pass needs data.
 
     Each block is read (if it is not in memory), computes in the device's compute dtype
     (float32 on the CPU), goes back to the CPU in the storage dtype when its passes are done,
     is handed to ``on_block`` (the export writes it) and is freed, unless ``keep``. ``store``
-    makes the lists that hold calibration activations (``activation_store``).
+    makes the lists that hold calibration activations (``activation_store``). ``checkpoints``
+    keeps each finished block, and the first ``checkpoints.resumable`` blocks are read back
+    from it instead of compressed (they only run over the data, for the next block's inputs).
     """
     model = streamed(model)
     storage = model.dtype
     dtype = compute_dtype(device, storage)
     inputs, calls = capture_inputs(model.model, ids, device, dtype, store) if ids is not None else (None, None)
     keep_original = any(getattr(p, "needs_original", False) for p in passes)
+    resumable = checkpoints.resumable if checkpoints is not None else 0
+    for p in passes:  # this run's training logs (a recipe may be applied twice in one process)
+        if isinstance(getattr(p, "log", None), dict):
+            p.log = dict(checkpoints.logs.get(p.where, {})) if resumable else {}
     for i in tqdm(range(len(model)), desc="compressing blocks", unit="block"):
         with model.block(i, keep=keep) as block:
             home = _home(block)
+            if i < resumable:
+                checkpoints.restore(i, block)
             cast_params(block, device, dtype)
-            original = copy.deepcopy(block) if keep_original else None
+            original = copy.deepcopy(block) if keep_original and i >= resumable else None
             data = None
-            if inputs is not None or keep_original:  # without calibration data, only ``original`` is there
+            if inputs is not None or original is not None:  # without calibration data, only ``original`` is there
                 data = BlockData(block, inputs or [], calls[i] if calls else ((), {}), original, store)
-            for p in passes:
+            for p in passes if i >= resumable else ():
                 if data is not None:
                     data.replay = {}  # a pass's stand-ins are only valid until another pass changes the block
                 p.apply(block, data, f"{model.prefix}{i}.")
             if inputs is not None and i + 1 < len(model):
-                inputs = data.forward()  # the next block sees what the compressed block produces
+                # the next block sees what the exported block produces: its weights rounded to the
+                # storage dtype (AWQ's folded scales, SparseGPT's updates are computed in float32)
+                # and run whole, not rebuilt from inputs kept before the last pass changed the
+                # block; so --resume, which reads the block back, computes the same activations
+                _round_params(block, storage)
+                data.replay = {}
+                inputs = data.forward()
             del data, original
             cast_params(block, home, storage)
+            if checkpoints is not None and i >= resumable:
+                checkpoints.save(i, block, {p.where: p.log for p in passes if getattr(p, "log", None)})
             if on_block is not None:
                 on_block(i, block)
 
@@ -377,18 +401,19 @@ def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device
 def run_passes(model, ids: torch.Tensor | None, passes, device: torch.device,
                load_teacher: Callable[[], torch.nn.Module],
                on_block: Callable[[int, torch.nn.Module], None] | None = None,
-               store: Callable[[], list] = list) -> torch.nn.Module | None:
+               store: Callable[[], list] = list,
+               checkpoints: BlockCheckpoints | None = None) -> torch.nn.Module | None:
     """The block sweep over the layer-passes, then the model passes (recovery training), which
     train the whole model (``model.load_all()`` first) against the original model from
     ``load_teacher()``; returns that teacher, if loaded. ``on_block`` sees each block once final;
-    ``store``: see ``run_sequential``."""
+    ``store``, ``checkpoints``: see ``run_sequential`` (a resumed run trains again from the start)."""
     from .passes import ModelPass
 
     model = streamed(model)
     model_passes = [p for p in passes if isinstance(p, ModelPass)]
     layer_passes = [p for p in passes if not isinstance(p, ModelPass)]
     run_sequential(model, ids, layer_passes, device, None if model_passes else on_block, keep=bool(model_passes),
-                   store=store)
+                   store=store, checkpoints=checkpoints)
     if not model_passes:
         return None
     teacher = load_teacher()

@@ -78,7 +78,7 @@ def replay(prompt: list[int], output: list[int], proposer, max_new_tokens: int, 
 def forward_ms(model, prompt: torch.Tensor, rounds: int = 15) -> dict[int, float]:
     """Median ms of a target forward of each width after ``prompt``, the cache cropped back each
     time; the widths take turns, so a machine that drifts slows them all alike."""
-    cache, device = DynamicCache(config=model.config), prompt.device
+    cache = DynamicCache(config=model.config)
     forward_logits(model, prompt, cache, all_logits=False)
     times = {width: [] for width in WIDTHS}
     for _ in range(rounds):

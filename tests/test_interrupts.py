@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from compress import resume
 from compress.export import MANIFEST
 
 from conftest import tiny
@@ -34,9 +35,9 @@ def model_folder(tmp_path_factory, smollm2):
     return folder
 
 
-def _apply(recipe, model, out):
+def _apply(recipe, model, out, *extra):
     return subprocess.Popen([sys.executable, "-m", "compress.cli", "apply", str(recipe), "--model", str(model),
-                             "--output", str(out), "--device", "cpu"],
+                             "--output", str(out), "--device", "cpu", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
@@ -77,3 +78,27 @@ def test_a_killed_apply_leaves_nothing_half_written_and_the_next_run_cleans_up(m
     assert final.returncode == 0, text[-2000:]
     assert json.loads((out / "report.json").read_text())["eval"]["ppl"] > 0
     assert not list(tmp_path.glob(".out.*"))  # what the killed runs left is gone
+
+
+def test_a_run_killed_mid_sweep_and_resumed_writes_the_uninterrupted_export(model_folder, tmp_path):
+    """SIGKILL once two of the four blocks are kept, then ``--resume``: the export is byte for
+    byte an uninterrupted run's."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE)
+    whole = _apply(recipe, model_folder, tmp_path / "whole", "--no-eval")
+    assert whole.wait() == 0, whole.communicate()[0].decode(errors="replace")[-2000:]
+    out = tmp_path / "out"
+    state = resume.folder_for(out) / resume.STATE
+    run = _apply(recipe, model_folder, out, "--no-eval")
+    deadline = time.monotonic() + 300
+    while run.poll() is None and time.monotonic() < deadline:
+        if state.is_file() and json.loads(state.read_text())["blocks"] >= 2:
+            run.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.005)
+    assert run.wait() == -signal.SIGKILL and not out.exists()
+    resumed = _apply(recipe, model_folder, out, "--no-eval", "--resume")
+    text = resumed.communicate()[0].decode(errors="replace")
+    assert resumed.returncode == 0 and "finished blocks back" in text, text[-2000:]
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "whole" / "model.safetensors").read_bytes()
+    assert not resume.folder_for(out).exists()

@@ -38,7 +38,7 @@ class Blockwise(LinearPass):
         targets = _outputs(data.original, data)
         if torch.equal(_outputs(block, data, 1)[0], targets[0]):
             return  # nothing before this pass changed the block (all of it ignored)
-        seed = torch.initial_seed() + len(self.log)  # the recipe's seed, one stream per block
+        seed = torch.initial_seed() + int(prefix.rstrip(".").rpartition(".")[2])  # the recipe's, one per block
         trainables = Trainables(block, self.targets(block, prefix), o.train, self.dtype, seed=seed)
         if not trainables:
             warnings.warn(f"{self.where}: nothing to train in {prefix.rstrip('.')} ({', '.join(o.train)})",
