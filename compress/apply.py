@@ -128,7 +128,7 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
                               device=dev)
             report.eval = result.as_dict()
             report.peak_rss_gb = peak_rss_gb()
-        (written / "report.json").write_text(json.dumps(report.as_dict(), indent=2))
+        (written / export.REPORT).write_text(json.dumps(report.as_dict(), indent=2))
     except BaseException:
         writer.abort()
         if checkpoints is not None and (checkpoints.folder / resume.STATE).is_file():

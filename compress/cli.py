@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -49,14 +50,19 @@ def _apply(args) -> None:
 
 
 def _eval(args) -> None:
-    from . import models
+    from . import export, models
     from .evaluate import evaluate
 
     dtype = models.parse_dtype(args.dtype)
     device = models.pick_device(args.device)
+    manifest = Path(args.model) / MANIFEST
+    if args.write_report and not manifest.is_file():
+        raise ExportError(f"--write-report: {args.model} is not an export of ours (no {MANIFEST}); "
+                          "it fills in the report of an `apply --no-eval` export")
+    if args.write_report and not os.access(args.model, os.W_OK):
+        raise ExportError(f"--write-report: {args.model} is not writable")
     loaded = models.open_streamed(args.model, dtype)  # a block at a time: no model is held whole
     reference = args.reference
-    manifest = Path(args.model) / MANIFEST
     if reference is None and manifest.exists():
         reference = json.loads(manifest.read_text()).get("base_model")
     ref_model = models.open_streamed(reference, dtype).model if reference and reference != "none" else None
@@ -67,6 +73,8 @@ def _eval(args) -> None:
     if ref_model is not None:
         print(f"reference perplexity: {result.ref_ppl:.4f}    KL: {result.kl:.5f} nats/token    "
               f"top-1 agreement: {result.top1:.4f}")
+    if args.write_report:
+        print(f"report: {export.add_evaluation(Path(args.model), result.as_dict())}")
 
 
 def _decode(args) -> None:
@@ -307,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=_whole(2), default=2048)
     p.add_argument("--reference", help="uncompressed model to compare against (default: the export's base "
                                        "model; 'none' to skip)")
+    p.add_argument("--write-report", action="store_true",
+                   help="write the result into the export's report.json (an `apply --no-eval` export)")
     common(p)
     p.set_defaults(func=_eval)
 

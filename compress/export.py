@@ -28,6 +28,7 @@ from .sparsity import prune_mask_of
 
 MAX_SHARD_BYTES = 2 * 1024**3
 MANIFEST = "compress_manifest.json"
+REPORT = "report.json"
 
 
 class ExportError(RuntimeError):
@@ -443,6 +444,20 @@ def export(model, tokenizer, out: str | Path, recipe_text: str, manifest: dict, 
         raise
     writer.finish(model, tokenizer, recipe_text, manifest)
     return writer.publish()
+
+
+def add_evaluation(folder: Path, evaluation: dict) -> Path:
+    """Fill in the evaluation of an export written with ``--no-eval`` (``compress eval DIR
+    --write-report``): ``report.json``'s ``eval`` and the manifest's ``evaluated``, each file
+    replaced whole (written beside, then renamed)."""
+    report_path, manifest_path = folder / REPORT, folder / MANIFEST
+    report = json.loads(report_path.read_text()) if report_path.is_file() else {}
+    manifest = json.loads(manifest_path.read_text())
+    for path, content in ((report_path, {**report, "eval": evaluation}), (manifest_path, {**manifest, "evaluated": True})):
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(content, indent=2))
+        os.replace(partial, path)
+    return report_path
 
 
 def size_on_disk(folder: Path) -> int:

@@ -173,6 +173,8 @@ CASES = {
     "eval --ppl not UTF-8": (lambda t, m: ["eval", str(m / "tiny"), "--ppl", _data(t, "b.txt", b"\xff" * 50)],
                              "UTF-8"),
     "eval --reference missing": (lambda t, m: ["eval", str(m / "tiny"), "--reference", str(t / "ref")], "ref"),
+    "eval --write-report on a model, not an export": (lambda t, m: ["eval", str(m / "tiny"), "--write-report"],
+                                                      "tiny"),
     # decoding
     "decode --raw empty prompt": (lambda t, m: _decode(m, "--raw", prompt=""), "prompt"),
     "decode model missing": (lambda t, m: ["decode", str(t / "nope"), "--prompt", "hi"], "nope"),

@@ -33,6 +33,23 @@ def test_apply_exports_and_reports(tmp_path):
     assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
 
 
+def test_eval_fills_in_the_report_of_an_export_made_without_evaluation(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("passes:\n  - rtn: {bits: 8, group_size: -1}\n")
+    out = tmp_path / "out"
+    assert run("apply", str(recipe), "--output", str(out), "--no-eval").returncode == 0
+    assert json.loads((out / "compress_manifest.json").read_text())["evaluated"] is False
+    assert json.loads((out / "report.json").read_text())["eval"] == {}
+    evaluated = run("eval", str(out), "--windows", "2", "--seqlen", "128", "--write-report")
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    report = json.loads((out / "report.json").read_text())
+    assert f"perplexity: {report['eval']['ppl']:.4f}" in evaluated.stdout and report["eval"]["kl"] >= 0
+    assert report["bits_per_weight"] > 8 and json.loads((out / "compress_manifest.json").read_text())["evaluated"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("."))  == []  # no partial files left
+    refused = run("eval", str(tmp_path), "--write-report")
+    assert refused.returncode == 2 and "not an export of ours" in refused.stderr
+
+
 @pytest.mark.parametrize("body,message", [
     ("passes:\n  - sparsify: {}\n", "unknown pass 'sparsify'"),
     ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits"),
