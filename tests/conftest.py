@@ -23,6 +23,16 @@ def tiny(model_type: str = "llama", hidden: int = 64, layers: int = 2):
     return model
 
 
+def tiny_folder(folder, tokenizer, model_type: str = "llama", layers: int = 2):
+    """A tiny random model with ``tokenizer``'s vocabulary saved as a model folder (bf16), for
+    runs of the command line."""
+    model = tiny(model_type, layers=layers)
+    model.resize_token_embeddings(len(tokenizer))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M (bf16) and its tokenizer, loaded once; tests deep-copy the model."""

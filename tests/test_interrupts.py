@@ -11,12 +11,11 @@ import threading
 import time
 
 import pytest
-import torch
 
 from compress import resume
 from compress.export import MANIFEST
 
-from conftest import tiny
+from conftest import tiny_folder
 
 RECIPE = ("passes:\n  - gptq: {bits: 4, group_size: 32}\ncalibration: {samples: 4, seqlen: 64}\n"
           "evaluation: {windows: 2, seqlen: 64}\n")
@@ -27,12 +26,7 @@ STAGES = ["memory plan", "compressing blocks:", "compressing blocks: 100%", "eva
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory, smollm2):
-    folder = tmp_path_factory.mktemp("model")
-    model = tiny("llama", hidden=64, layers=4)
-    model.resize_token_embeddings(len(smollm2.tokenizer))
-    model.to(torch.bfloat16).save_pretrained(folder)
-    smollm2.tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_folder(tmp_path_factory.mktemp("model"), smollm2.tokenizer, layers=4)
 
 
 def _apply(recipe, model, out, *extra):

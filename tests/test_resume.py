@@ -6,14 +6,13 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from compress import resume
 from compress.apply import apply
 from compress.recipe import parse
 from compress.resume import BlockCheckpoints, ResumeError
 
-from conftest import tiny
+from conftest import tiny_folder
 
 DATA = "calibration: {samples: 4, seqlen: 64}\n"
 RECIPES = {  # every kind of state a pass leaves on a block
@@ -36,12 +35,7 @@ class Crash(Exception):
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory, smollm2):
-    folder = tmp_path_factory.mktemp("model")
-    model = tiny("llama", hidden=64, layers=4)
-    model.resize_token_embeddings(len(smollm2.tokenizer))
-    model.to(torch.bfloat16).save_pretrained(folder)
-    smollm2.tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_folder(tmp_path_factory.mktemp("model"), smollm2.tokenizer, layers=4)
 
 
 def _weights(folder):
