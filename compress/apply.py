@@ -51,12 +51,13 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
           device: str | None = None, dtype: str = "bfloat16", seed: int | None = None, overwrite: bool = False,
           evaluate_after: bool = True, eval_windows: int | None = None, eval_seqlen: int | None = None,
           samples: int | None = None, max_shard_mb: int | None = None, spill: str | Path | None = None,
-          resume_run: bool = False) -> Report:
+          resume_run: bool = False, keep_blocks: bool = True) -> Report:
     """Read the model a block at a time, compress each block and write it to the export at once,
     then evaluate the export against the original, again a block at a time. ``spill``: a folder
     where calibration activations are kept in files instead of RAM. A calibrated sweep keeps
-    each finished block beside the output until the export is in place (``resume``);
-    ``resume_run`` reads them back after a killed run instead of compressing them again."""
+    each finished block beside the output until the export is in place (``resume``; not with
+    ``keep_blocks=False``); ``resume_run`` reads them back after a killed run instead of
+    compressing them again."""
     source = model_source or recipe.model
     if max_shard_mb is not None and max_shard_mb < 1:
         raise export.ExportError(f"--max-shard-mb must be at least 1; got {max_shard_mb}")
@@ -79,20 +80,22 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     cal = recipe.calibration
     whole = recipe.needs_data and cal.source == data.SELF or any(isinstance(p, ModelPass) for p in recipe.passes)
     n_samples = (samples or cal.samples) if recipe.needs_data else 0
+    keep_blocks = keep_blocks and recipe.needs_data  # the long sweeps
     need = memory.plan(model, recipe.passes, dev, n_samples, cal.seqlen, windows if eval_data is not None else 0,
-                       seqlen, whole, spill is not None)
+                       seqlen, whole, spill is not None, keep_blocks)
     print(f"[compress] memory plan: {need.describe()}", flush=True)
     memory.check(need, dev)
     if spill is not None:
         memory.check_disk(need, spill)
+    if resume_run and not keep_blocks:
+        why = "calibrates nothing" if not recipe.needs_data else "runs with --no-checkpoints"
+        raise resume.ResumeError(f"--resume: {recipe.name} {why}, so it keeps no blocks to resume from; "
+                                 "run it without --resume")
     checkpoints = None
-    if recipe.needs_data:  # the long sweeps: what makes their blocks what they are, for --resume
+    if recipe.needs_data:  # what makes the blocks what they are, for --resume (a plain run removes old ones)
         key = {"recipe": recipe.text, "model": str(source), "seed": seed, "samples": n_samples, "dtype": dtype,
                "device": dev.type}
         checkpoints = resume.BlockCheckpoints(out, key, resume_run)
-    elif resume_run:
-        raise resume.ResumeError(f"--resume: {recipe.name} calibrates nothing, so it keeps no blocks to resume "
-                                 "from; run it without --resume")
     if whole:
         model.load_all()  # data-free calibration generates with the whole model; recovery trains it
 
@@ -106,7 +109,7 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
         prefix = model.prefix
         run_passes(model, ids, recipe.passes, dev, lambda: models.open_streamed(source, torch_dtype).model.load_all(),
                    on_block=lambda i, block: writer.add(block, f"{prefix}{i}."), store=store,
-                   checkpoints=checkpoints)
+                   checkpoints=checkpoints if keep_blocks else None)
         writer.add(model.model, skip=prefix.rstrip("."))
         compress_s = time.perf_counter() - start
         totals = writer.totals

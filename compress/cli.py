@@ -35,7 +35,8 @@ def _apply(args) -> None:
     recipe = recipes.load(args.recipe)
     report = apply(recipe, args.model, args.output, args.device, args.dtype, args.seed, args.overwrite,
                    evaluate_after=not args.no_eval, eval_windows=args.windows, eval_seqlen=args.seqlen,
-                   samples=args.samples, max_shard_mb=args.max_shard_mb, spill=args.spill, resume_run=args.resume)
+                   samples=args.samples, max_shard_mb=args.max_shard_mb, spill=args.spill, resume_run=args.resume,
+                   keep_blocks=not args.no_checkpoints)
     print()
     print(f"model: {report.model}    output: {report.output}")
     print(f"calibration: {report.calibration}")
@@ -305,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue a killed run of the same command: the blocks it finished (kept in .OUTPUT.resume "
                         "beside the output until the export is in place) are read back, not compressed again")
+    p.add_argument("--no-checkpoints", action="store_true",
+                   help="do not keep finished blocks beside the output (saves that disk space; no --resume)")
     common(p)
     p.set_defaults(func=_apply)
 

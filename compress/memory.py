@@ -33,6 +33,7 @@ class MemoryPlan:
     evaluate: dict[str, int] = field(default_factory=dict)
     shared: dict[str, int] = field(default_factory=dict)  # held in both phases
     disk: dict[str, int] = field(default_factory=dict)  # spilled (``apply --spill``): files, not RAM
+    kept: int = 0  # disk beside the output for the finished blocks ``--resume`` reads back
     where: str = "RAM"
 
     @property
@@ -43,7 +44,8 @@ class MemoryPlan:
         parts = {**self.shared, **self.compress, **self.evaluate}
         top = ", ".join(f"{k} {v / GB:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
         spilled = "".join(f"; {k} on disk ≈ {v / GB:.1f} GB" for k, v in self.disk.items())
-        return f"peak {self.where} ≈ {self.peak / GB:.1f} GB ({top} GB){spilled}"
+        kept = f"; finished blocks kept for --resume ≤ {self.kept / GB:.1f} GB on disk" if self.kept else ""
+        return f"peak {self.where} ≈ {self.peak / GB:.1f} GB ({top} GB){spilled}{kept}"
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -61,10 +63,11 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def plan(model, passes, device: torch.device, samples: int, cal_seqlen: int, windows: int, eval_seqlen: int,
-         whole: bool, spill: bool = False) -> MemoryPlan:
+         whole: bool, spill: bool = False, keep_blocks: bool = False) -> MemoryPlan:
     """``model`` a ``lazy.StreamedModel`` (shapes only are read); ``samples`` 0 without calibration,
     ``windows`` 0 without evaluation; ``whole``: the run reads every block and keeps it; ``spill``:
-    calibration activations go to files (``apply --spill``)."""
+    calibration activations go to files (``apply --spill``); ``keep_blocks``: finished blocks
+    are kept on disk for ``--resume`` (at most their stored tensors and a byte of mask per weight)."""
     cfg = model.config
     stored = torch.tensor([], dtype=model.dtype).element_size()
     f32, hidden = 4, cfg.hidden_size
@@ -76,6 +79,7 @@ def plan(model, passes, device: torch.device, samples: int, cal_seqlen: int, win
     if whole:
         plan.shared["the whole model (recovery or data-free calibration)"] = n_block * len(model) * stored
     plan.compress["one block"] = n_block * (stored + copies * f32)
+    plan.kept = n_block * len(model) * (stored + 1) if keep_blocks else 0
     # inputs, outputs and the inputs a replayed linear keeps: three sets of activations
     (plan.disk if spill else plan.compress)["calibration activations"] = 3 * samples * cal_seqlen * hidden * f32
     if any(getattr(p, "uses_hessian", False) for p in passes):

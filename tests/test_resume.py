@@ -92,10 +92,19 @@ def test_resume_refuses_another_recipe_and_a_plain_run_starts_over(model_folder,
     assert out.is_dir() and not resume.folder_for(out).exists()
 
 
-def test_resume_is_refused_where_nothing_calibrates(model_folder, tmp_path):
+def test_resume_is_refused_where_nothing_is_kept(model_folder, tmp_path, capsys):
     recipe = parse("passes:\n  - rtn: {bits: 4, group_size: 32}\n")
     with pytest.raises(ResumeError, match="calibrates nothing"):
         apply(recipe, str(model_folder), tmp_path / "out", "cpu", evaluate_after=False, resume_run=True)
+    recipe = parse(DATA + "passes:\n" + RECIPES["gptq"])
+    with pytest.raises(ResumeError, match="--no-checkpoints"):
+        apply(recipe, str(model_folder), tmp_path / "out", "cpu", evaluate_after=False, resume_run=True,
+              keep_blocks=False)
+    apply(recipe, str(model_folder), tmp_path / "out", "cpu", evaluate_after=False, keep_blocks=False)
+    assert (tmp_path / "out").is_dir() and not resume.folder_for(tmp_path / "out").exists()
+    assert "kept for --resume" not in capsys.readouterr().out
+    apply(recipe, str(model_folder), tmp_path / "kept", "cpu", evaluate_after=False)
+    assert "finished blocks kept for --resume ≤ 0.0 GB on disk" in capsys.readouterr().out  # the plan says it
 
 
 def test_a_folder_in_the_way_that_is_not_ours_is_left_alone(model_folder, tmp_path):
