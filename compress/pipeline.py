@@ -340,13 +340,6 @@ class BlockData:
             stand_in.settle()
 
 
-def _round_params(module: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Round floating parameters to ``dtype``'s values, keeping their own dtype."""
-    for p in module.parameters():
-        if p.is_floating_point() and p.dtype != dtype:
-            p.data = p.data.to(dtype).to(p.dtype)
-
-
 def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device,
                    on_block: Callable[[int, torch.nn.Module], None] | None = None, keep: bool = False,
                    store: Callable[[], list] = list, checkpoints: BlockCheckpoints | None = None) -> None:
@@ -387,7 +380,7 @@ def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device
                 # storage dtype (AWQ's folded scales, SparseGPT's updates are computed in float32)
                 # and run whole, not rebuilt from inputs kept before the last pass changed the
                 # block; so --resume, which reads the block back, computes the same activations
-                _round_params(block, storage)
+                cast_params(cast_params(block, device, storage), device, dtype)
                 data.replay = {}
                 inputs = data.forward()
             del data, original

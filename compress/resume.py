@@ -74,13 +74,12 @@ class BlockCheckpoints:
     def _state(self) -> dict | None:
         path = self.folder / STATE
         if not path.is_file():
-            if self.folder.exists() and not self.folder.is_dir() or self.folder.is_dir() and any(self.folder.iterdir()):
+            if self.folder.exists() and (not self.folder.is_dir() or any(self.folder.iterdir())):
                 raise ResumeError(f"{self.folder} is in the way and is not ours (no {STATE}); move it away")
             return None
         try:
             state = json.loads(path.read_text())
-            blocks = int(state["blocks"])
-            state["key"]  # noqa: B018 - must be there
+            blocks, _ = int(state["blocks"]), state["key"]
         except (ValueError, KeyError, TypeError):
             raise ResumeError(f"{path} is damaged; remove {self.folder} to start over") from None
         missing = [i for i in range(blocks) if not self._block_path(i).is_file()]
