@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--no-graphs", action="store_true", help="on a GPU, run the steps without CUDA graphs")
     parser.add_argument("--step-rows", type=int, help="rows every graph or compiled step is padded to (the engine's step_rows)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quantize", choices=["w4"], help="round the block linears to W4 in memory (lossy)")
+    parser.add_argument("--lm-head", choices=["int4", "int8"], help="quantize lm_head for decoding (lossy)")
     parser.add_argument("--compile", action="store_true", help="also the compiled engine's table, and its one-token step against eager")
     args = parser.parse_args()
 
@@ -47,7 +49,8 @@ def main() -> None:
     text = data.tokenize(loaded.tokenizer, data.load_text("wikitext2", "test"))
     prompt = text[5000 : 5000 + args.prompt_tokens].reshape(1, -1).to(device)
     following = text[5000 + args.prompt_tokens :][: max(args.counts)].tolist()
-    engine = Engine(model, kernel=args.kernel, graphs=False if args.no_graphs else None, step_rows=args.step_rows)
+    options = dict(kernel=args.kernel, quantize=args.quantize, lm_head=args.lm_head)
+    engine = Engine(model, graphs=False if args.no_graphs else None, step_rows=args.step_rows, **options)
     print(f"command: python {shlex.join(sys.argv)}")
     print(f"machine: {machine()}")
     print(f"engine: {engine.describe()}; stream {str(engine.dtype).removeprefix('torch.')}; "
@@ -97,7 +100,7 @@ def median_step_ms(engine: Engine, ids: list[int], repeats: int, device: torch.d
 def compare_compiled(eager: Engine, model, prompt: torch.Tensor, following: list[int], args) -> None:
     """The compiled steps' table, then the compiled one-token step against the eager one: ms, and
     logits along eager's greedy path."""
-    compiled = Engine(model, kernel=args.kernel, compile=True)
+    compiled = Engine(model, compile=True, kernel=args.kernel, quantize=args.quantize, lm_head=args.lm_head)
     compiled.forward(prompt, all_logits=False)
     compiled.forward(following[:1])  # compiles, or loads the package an earlier run left
     if compiled.compiled is None:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from compress import models
-from compress.decode import greedy, kernels
+from compress.decode import greedy, kernels, native
 from compress.decode.engine import Engine
 from compress.export import export
 from tests.conftest import _NoTokenizer, compress_with, tiny
@@ -100,3 +100,62 @@ def test_bf16_without_onednn_runs_on_aten_and_decodes_as_with_it(monkeypatch):
     engine = Engine(model, kernel="bf16")
     assert engine.dtype == torch.bfloat16
     assert greedy(engine, prompt, 12).tokens == reference
+
+
+needs_native = pytest.mark.skipif(not native.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
+
+
+@needs_native
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_native_int4_product_computes_the_dequantized_weights(group):
+    generator = torch.Generator().manual_seed(group)
+    u = torch.randint(0, 16, (48, 256), generator=generator)
+    scale = torch.rand(48, 256 // group, generator=generator) / 16
+    offset = torch.randn(48, 256 // group, generator=generator) / 4
+    packed = native.pack_int4(u)
+    weight = u.float() * scale.repeat_interleave(group, 1) + offset.repeat_interleave(group, 1)
+    # the compiler may fuse scale·u + offset into one FMA (one rounding, not two)
+    torch.testing.assert_close(torch.ops.compress.int4_dequantize(packed, scale, offset, group), weight)
+    x = torch.randn(5, 256, generator=generator)
+    product = torch.ops.compress.int4_matmul(x, packed, scale, offset, group)
+    torch.testing.assert_close(product, x @ weight.T, atol=1e-4, rtol=1e-5)
+    rows = torch.cat([torch.ops.compress.int4_matmul(row, packed, scale, offset, group) for row in x.split(1)])
+    assert torch.equal(product, rows)  # each row alone: verify steps equal one-token steps
+
+
+@needs_native
+def test_native_bf16_product_and_attention_compute_what_torch_computes():
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(40, 96, generator=generator).bfloat16(), torch.randn(3, 96, generator=generator)
+    torch.testing.assert_close(torch.ops.compress.bf16_matmul(x, weight), x @ weight.float().T,
+                               atol=1e-5, rtol=1e-5)
+    q = torch.randn(4, 3, 16, generator=generator)  # 4 heads over 2 KV heads, 3 rows
+    k, v = torch.randn(2, 50, 16, generator=generator), torch.randn(2, 50, 16, generator=generator)
+    positions = torch.tensor([20, 21, 22])
+    for window in (0, 8):
+        got = torch.ops.compress.decode_attention(q, k, v, positions, window, 0.25)
+        for m, last in enumerate(positions.tolist()):
+            first = max(0, last - window + 1) if window else 0
+            keys, values = k[:, first : last + 1].repeat_interleave(2, 0), v[:, first : last + 1].repeat_interleave(2, 0)
+            weights = torch.softmax(torch.einsum("hd,hsd->hs", q[:, m], keys) * 0.25, -1)
+            torch.testing.assert_close(got[:, m], torch.einsum("hs,hsd->hd", weights, values), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        torch.ops.compress.decode_attention(q, k, v, torch.tensor([1, 2, 50]), 0, 0.25)
+
+
+@needs_native
+def test_engine_on_native_kernels_decodes_as_on_torch_kernels():
+    """The W4 and bf16 groups on our AVX2 kernels, attention too: the tokens of the same engine on
+    torch's kernels (fp32 all along), and verify steps equal one-token steps bit for bit."""
+    model = tiny("llama", hidden=128).to(torch.bfloat16)
+    compress_with(model, "  - rtn: {bits: 4, group_size: 64, symmetric: false}\n")
+    prompt = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    ours = Engine(model, kernel="int4-avx2")
+    assert {ours.formats[g] for g in ("qkv", "o", "gate_up", "down")} == {"int4-avx2"}
+    assert ours.native_attention and ours.dtype == torch.float32
+    assert greedy(ours, prompt, 16).tokens == greedy(Engine(model, kernel="fp32"), prompt, 16).tokens
+    ours.reset()
+    ours.forward(prompt[0, :20])
+    one_by_one = torch.cat([ours.forward(prompt[0, i : i + 1]) for i in range(20, 24)])
+    ours.crop(4)
+    assert torch.equal(ours.forward(prompt[0, 20:24]), one_by_one)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from .. import USER_INDUCTOR_CACHE, kvcache
 from ..models import cache_dir
-from . import kernels
+from . import kernels, native
 from .loop import DecodeError, device_of
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -165,6 +165,9 @@ class Engine:
         # there the compiled step's bf16 SDPA for one row over ~330 slots took 352 us a layer, fp32 156-173
         self.cache_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
                             and not kernels.onednn_bf16_available() else self.dtype)
+        # one-row attention: ~60 us of SDPA's overhead a layer on such a CPU (``native``)
+        self.native_attention = (self.device.type == "cpu" and self.cache_dtype == torch.float32
+                                 and self.softcap_attn is None and self.head_dim % 8 == 0 and native.available())
         self.final_norm = _norm(inner.norm, self.dtype, gemma)
         self.lm_head = kernels.build(self.formats["lm_head"], head, self.device, traceable=compile)
         self.layers = []
@@ -456,11 +459,12 @@ class Engine:
             if exited is not None:  # after an early exit a layer only writes its keys and values
                 continue
             if tree is not None:
-                attn = torch.cat([self._sdpa(q[:, i : i + 1], k_cache[0][:, seen], v_cache[0][:, seen], None)
+                attn = torch.cat([self._attention(q[:, i : i + 1], k_cache[0][:, seen], v_cache[0][:, seen], None,
+                                                  None, torch.tensor([len(seen) - 1], device=self.device))
                                   for i, seen in enumerate(tree)], 1)
             else:
                 attn = self._attention(q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window],
-                                       layer.window, None if static else positions)
+                                       layer.window, positions, static)
             h = layer.o(attn.transpose(0, 1).reshape(count, self.q_size), static)
             x = x + (layer.post_attn_norm(h) if layer.post_attn_norm is not None else h)
             gate, up = layer.gate_up(layer.mlp_norm(x), static).chunk(2, -1)
@@ -472,14 +476,18 @@ class Engine:
             self.exited = exited
         return x
 
-    def _attention(self, q, k, v, mask, window, positions):
+    def _attention(self, q, k, v, mask, window, positions, static=False):
         """Attention of the new tokens over the cache. A verify step (up to ``kernels.VERIFY_ROWS`` tokens)
         attends row by row, each over exactly its own prefix, as a one-token step does: SDPA over a
         longer masked span rounds differently (in bf16, enough to flip a near-tie), and lossless
         speculation must give the tokens plain greedy gives. Longer inputs (prompts) are one call.
-        ``positions`` None: a fixed-shape step (compiled, or a CUDA graph), one masked call over the
-        whole span (its exactness comes from padding every step to the same rows: ``_replay``)."""
-        if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS or positions is None:
+        ``static``: a fixed-shape step (compiled, or a CUDA graph), one masked call over the
+        whole span (its exactness comes from padding every step to the same rows: ``_replay``).
+        On an AVX2 CPU with an fp32 cache, steps run ``native``'s attention, row by row by design."""
+        if self.native_attention and q.shape[1] <= kernels.VERIFY_ROWS:
+            return torch.ops.compress.decode_attention(q.to(k.dtype), k, v, positions, window or 0,
+                                                       self.scaling).to(q.dtype)
+        if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS or static:
             return self._sdpa(q, k, v, mask)
         rows = []
         for i, end in enumerate((positions + 1).tolist()):
@@ -560,6 +568,7 @@ def _fingerprint(engine: Engine) -> str:
     digest.update(repr(settings).encode())
     for module in (sys.modules[__name__], kernels):  # the code that builds the graph
         digest.update(Path(module.__file__).read_bytes())
+    digest.update(native.SOURCE.read_bytes())  # the kernels it calls
     for t in _step_tensors(engine):
         digest.update(repr((t.dtype, tuple(t.shape))).encode())
         digest.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
