@@ -534,7 +534,8 @@ _TIMED: dict[str, dict[str, float]] = {}
 
 
 def _timings_file(device: torch.device) -> Path:
-    digest = hashlib.blake2b(machine_key(device).encode(), digest_size=8).hexdigest()
+    # our own kernels' source too: a changed kernel is timed again
+    digest = hashlib.blake2b(machine_key(device).encode() + native.SOURCE.read_bytes(), digest_size=8).hexdigest()
     return cache_dir() / "kernels" / f"timings-{digest}.json"
 
 
