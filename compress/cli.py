@@ -1,4 +1,4 @@
-"""Command line: ``compress apply | eval | decode | recipes``.
+"""Command line: ``compress apply | eval | decode | report | recipes``.
 
 Expected failures (bad recipe, missing model, offline hub, existing output) print
 one line saying what to change and exit with status 2; nothing is written.
@@ -22,10 +22,11 @@ from .lazy import CheckpointError
 from .memory import MemoryPlanError
 from .models import DEFAULT_MODEL, ModelLoadError
 from .passes import RecipeError
+from .report import ReportError
 from .resume import ResumeError
 
 USER_ERRORS = (RecipeError, ModelLoadError, DataError, ExportError, UnknownArchitecture, DecodeError, CheckpointError,
-               MemoryPlanError, ResumeError)
+               MemoryPlanError, ResumeError, ReportError)
 
 
 def _apply(args) -> None:
@@ -271,6 +272,16 @@ def _ranges(layers: list[int]) -> str:
     return ",".join(parts)
 
 
+def _report(args) -> None:
+    from .report import write
+
+    files, note = write(args.exports, args.out)
+    for path in files:
+        print(path)
+    if note:
+        print(f"note: {note}")
+
+
 def _recipes(args) -> None:
     from .recipe import shipped
 
@@ -369,6 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(about 1.4x the model's bf16 size) and later runs load it in seconds")
     common(p)
     p.set_defaults(func=_decode)
+
+    p = sub.add_parser("report", help="several exports side by side: report.md and plots of quality against size")
+    p.add_argument("exports", nargs="+", help="export folders written by `compress apply`")
+    p.add_argument("--out", default="report", help="folder for report.md and the PNG plots (default: report)")
+    p.set_defaults(func=_report)
 
     p = sub.add_parser("recipes", help="list the shipped recipes")
     p.set_defaults(func=_recipes)

@@ -4,7 +4,8 @@ A ``Matmul`` holds one linear group's weights (q/k/v or gate/up fused by rows) i
 fp32 (MKL), fp32 or bf16 prepacked for oneDNN (bf16 on aten where oneDNN takes none: AVX2-only
 CPUs), int8 weight-only (``_weight_int8pack_mm``),
 torch's packed-int4 CPU kernel (``_weight_int4pack_mm_for_cpu``, tinygemm's layout: ``u = q + 8``,
-``zero = −z·scale``, so it computes exactly the weights we evaluate), or W8A8 on ``torch._int_mm``
+``zero = −z·scale``, so it computes exactly the weights we evaluate), our own AVX2 kernels for bf16
+and W4 weights (``native``: ``bf16-avx2``, ``int4-avx2``), or W8A8 on ``torch._int_mm``
 (each row rounded to int8 with its own scale ``max|x| / 127.5``, as compressed-tensors and our
 evaluation do). On a GPU: the model's dtype, or tinygemm's CUDA int4 kernel
 (``_weight_int4pack_mm``, same dequantization, its own packing) for W4 groups.

@@ -173,11 +173,15 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, co
   const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
   float* out = w.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    const __m256i low = _mm256_set1_epi32(0x0F);
     for (int64_t n = begin; n < end; ++n) {
-      for (int64_t k = 0; k < K; ++k) {
-        const uint32_t word = static_cast<uint32_t>(wp[n * (K / 8) + (k / 64) * 8 + k % 8]);
-        const int64_t g = n * G + k / group;
-        out[n * K + k] = sp[g] * static_cast<float>((word >> (4 * ((k % 64) / 8))) & 0xF) + op[g];
+      for (int64_t blk = 0; blk < K / 64; ++blk) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + n * (K / 8) + blk * 8));
+        for (int j = 0; j < 8; ++j) {
+          const int64_t k = blk * 64 + 8 * j, g = n * G + k / group;
+          const __m256 u = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 4 * j), low));
+          _mm256_storeu_ps(out + n * K + k, _mm256_fmadd_ps(u, _mm256_set1_ps(sp[g]), _mm256_set1_ps(op[g])));
+        }
       }
     }
   });

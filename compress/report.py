@@ -1,0 +1,160 @@
+"""``compress report DIR...``: the ``report.json`` of several exports side by side, as one markdown
+table and, with matplotlib installed (``pip install -e ".[plot]"``), plots of quality against
+size: perplexity against bits per weight and against size on disk (the Pareto front marked),
+KL against bits per weight, and compression time per export.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from .export import REPORT
+
+
+class ReportError(ValueError):
+    """A folder without a readable report, or an output that cannot be written."""
+
+
+PLOTS = {  # file -> (x key, y key, x label, y label, log y)
+    "ppl_vs_bits.png": ("bits_per_weight", "ppl", "bits per weight", "perplexity", True),
+    "ppl_vs_size.png": ("size_mb", "ppl", "size on disk (MB)", "perplexity", True),
+    "kl_vs_bits.png": ("bits_per_weight", "kl", "bits per weight", "KL(original || compressed), nats per token", True),
+}
+
+
+def load(folders: list[str | Path]) -> list[dict]:
+    """One flat record per export: its report's sizes and timings, with its evaluation merged in."""
+    if not folders:
+        raise ReportError("give at least one export folder")
+    records = []
+    for folder in map(Path, folders):
+        path = folder / REPORT
+        try:
+            report = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ReportError(f"{folder} has no {REPORT}: give folders written by `compress apply`") from None
+        except (OSError, ValueError) as e:
+            raise ReportError(f"could not read {path} ({type(e).__name__}): re-run the export or leave it out") from None
+        record = {k: v for k, v in report.items() if k not in ("eval", "training")}
+        records.append(record | (report.get("eval") or {}) | {"folder": str(folder)})
+    return sorted(records, key=lambda r: (r.get("bits_per_weight") or 99, r.get("size_mb") or 0))
+
+
+def pareto(points: list[tuple[float, float]]) -> list[int]:
+    """Indexes of the points no other point beats on both coordinates (lower is better), by x."""
+    order = sorted(range(len(points)), key=lambda i: points[i])
+    front, best = [], float("inf")
+    for i in order:
+        if points[i][1] < best:
+            front.append(i)
+            best = points[i][1]
+    return front
+
+
+def _cell(value, digits: int = 3) -> str:
+    if value is None:
+        return ""
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def table(records: list[dict]) -> str:
+    rows = ["| recipe | method | bits/weight | size MB | perplexity | original's | KL | top-1 | compress s | peak RSS GB |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        cells = [r.get("recipe"), r.get("method"), _cell(r.get("bits_per_weight"), 2), _cell(r.get("size_mb"), 1),
+                 _cell(r.get("ppl")), _cell(r.get("ref_ppl")), _cell(r.get("kl"), 4), _cell(r.get("top1")),
+                 _cell(r.get("compress_s"), 0), _cell(r.get("peak_rss_gb"), 2)]
+        rows.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def _write_text(path: Path, text: str) -> None:
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+def _plot(records: list[dict], file: str, out: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x_key, y_key, x_label, y_label, log_y = PLOTS[file]
+    points = [(r[x_key], r[y_key], r.get("recipe") or Path(r["folder"]).name) for r in records
+              if r.get(x_key) is not None and r.get(y_key) is not None]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
+    ax.scatter([p[0] for p in points], [p[1] for p in points], color="tab:blue", zorder=3)
+    for x, y, label in points:
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    front = [points[i] for i in pareto([(p[0], p[1]) for p in points])]
+    ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="tab:orange", label="Pareto front")
+    references = {r["ref_ppl"] for r in records if y_key == "ppl" and r.get("ref_ppl") is not None}
+    if len(references) == 1:
+        ax.axhline(references.pop(), color="grey", linestyle="--", linewidth=1, label="original")
+    ax.set_xlabel(x_label)
+    ax.set_ylabel(y_label)
+    if log_y:
+        ax.set_yscale("log")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / file
+    partial = path.with_name(f".{file}.{os.getpid()}.partial.png")
+    fig.savefig(partial)
+    plt.close(fig)
+    os.replace(partial, path)
+    return path
+
+
+def _plot_times(records: list[dict], out: Path) -> Path | None:
+    import matplotlib.pyplot as plt
+
+    timed = [(r.get("recipe") or Path(r["folder"]).name, r["compress_s"]) for r in records if r.get("compress_s")]
+    if not timed:
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 0.3 * len(timed) + 1.2), dpi=100)
+    ax.barh([t[0] for t in timed], [t[1] for t in timed], color="tab:blue")
+    ax.set_xlabel("compression time (s)")
+    ax.invert_yaxis()
+    fig.tight_layout()
+    path = out / "compress_time.png"
+    partial = path.with_name(f".compress_time.png.{os.getpid()}.partial.png")
+    fig.savefig(partial)
+    plt.close(fig)
+    os.replace(partial, path)
+    return path
+
+
+def write(folders: list[str | Path], out: str | Path) -> tuple[list[Path], str]:
+    """Writes ``report.md`` (and the plots, when matplotlib is installed) into ``out``; returns the
+    files written and a note (empty, or why some are missing). Only these files are replaced in
+    ``out``: nothing else there is touched."""
+    records = load(folders)
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ReportError(f"{out} is a file: give a folder for the report")
+    protocols = sorted({r["protocol"] for r in records if r.get("protocol")})
+    note = ""
+    if len(protocols) > 1:
+        note = "the exports were evaluated under different protocols: compare perplexities within one only"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        matplotlib = None
+        note = "; ".join(filter(None, [note, 'no plots: matplotlib is not installed (pip install -e ".[plot]")']))
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    if matplotlib is not None:
+        written += [p for p in [_plot(records, file, out) for file in PLOTS] + [_plot_times(records, out)] if p]
+    lines = ["# Compression report", "", f"Exports: {len(records)}. Evaluation: {'; '.join(protocols) or 'none'}.",
+             "", table(records), ""]
+    lines += [f"![{p.stem}]({p.name})" for p in written] + ([""] if written else [])
+    if note:
+        lines += [f"Note: {note}.", ""]
+    _write_text(out / "report.md", "\n".join(lines))
+    return [out / "report.md", *written], note

@@ -1,0 +1,58 @@
+import json
+
+import pytest
+
+from compress import report
+from compress.cli import main
+
+
+def _export(folder, recipe, bits, size, ppl, kl, seconds=10.0, protocol="wikitext2 test, 2 × 256 tokens"):
+    folder.mkdir()
+    evaluation = {} if ppl is None else {"protocol": protocol, "ppl": ppl, "ref_ppl": 20.0, "kl": kl, "top1": 0.9}
+    (folder / "report.json").write_text(json.dumps({
+        "recipe": recipe, "method": f"{recipe} method", "bits_per_weight": bits, "size_mb": size,
+        "compress_s": seconds, "peak_rss_gb": 1.0, "training": {}, "eval": evaluation}))
+    return folder
+
+
+def test_pareto_front_keeps_the_points_nothing_beats_on_both_axes():
+    points = [(4.0, 25.0), (3.0, 40.0), (4.0, 27.0), (8.0, 20.5), (5.0, 30.0), (2.0, 90.0)]
+    assert report.pareto(points) == [5, 1, 0, 3]  # by x: 2 bits, 3, 4 (the better of two), 8
+
+
+def test_report_writes_a_table_and_plots_and_touches_nothing_else(tmp_path):
+    pytest.importorskip("matplotlib")
+    folders = [_export(tmp_path / "a", "rtn-w4", 4.5, 90.0, 30.0, 0.2),
+               _export(tmp_path / "b", "gptq-w4", 4.5, 90.0, 26.0, 0.1, seconds=100.0),
+               _export(tmp_path / "c", "rtn-w8", 8.1, 150.0, 20.1, 0.01),
+               _export(tmp_path / "d", "no-eval", 4.5, 90.0, None, None)]
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "mine.txt").write_text("a user's file")
+    assert main(["report", *map(str, folders), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["compress_time.png", "kl_vs_bits.png", "mine.txt",
+                                                     "ppl_vs_bits.png", "ppl_vs_size.png", "report.md"]
+    for png in out.glob("*.png"):
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (out / "report.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "recipe" not in line]
+    assert [row.split(" | ")[0][2:] for row in rows] == ["rtn-w4", "gptq-w4", "no-eval", "rtn-w8"]  # by bits
+    assert "| 26.000 | 20.000 | 0.1000 |" in text and "![ppl_vs_bits](ppl_vs_bits.png)" in text
+    assert (out / "mine.txt").read_text() == "a user's file"
+
+
+def test_report_says_what_is_wrong_in_one_line(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing")]) == 2
+    assert "has no report.json" in capsys.readouterr().err
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "report.json").write_text("{not json")
+    assert main(["report", str(broken)]) == 2
+    assert "could not read" in capsys.readouterr().err
+    a = _export(tmp_path / "a", "rtn-w4", 4.5, 90.0, 30.0, 0.2)
+    b = _export(tmp_path / "b", "rtn-w8", 8.1, 150.0, 20.1, 0.01, protocol="wikitext2 test, 40 × 2048 tokens")
+    (tmp_path / "file").write_text("")
+    assert main(["report", str(a), "--out", str(tmp_path / "file")]) == 2
+    assert "is a file" in capsys.readouterr().err
+    assert main(["report", str(a), str(b), "--out", str(tmp_path / "r")]) == 0
+    assert "different protocols" in capsys.readouterr().out
