@@ -82,7 +82,7 @@ def _eval(args) -> None:
 def _decode(args) -> None:
     from . import decode, kvcache, models
     from .data import tokenizer_fingerprint
-    from .decode import kernels
+    from .decode import kernels, native
     from .decode.datastore import Datastore
     from .decode.engine import Engine
 
@@ -94,6 +94,10 @@ def _decode(args) -> None:
     if args.kernel == "int4" and not kernels.int4_kernel_available(device):
         raise decode.DecodeError(f"--kernel int4: this torch build has no int4 kernel for {device.type} "
                                  "(on a GPU it needs compute capability 8.0 or newer); use --kernel auto")
+    if args.kernel.endswith("-avx2") and (device.type != "cpu" or not native.available()):
+        raise decode.DecodeError(f"--kernel {args.kernel}: our AVX2 kernels are not available here (they need an "
+                                 "x86 CPU with AVX2 and FMA, a C++ compiler, and COMPRESS_NATIVE unset); "
+                                 "use --kernel auto")
     args.method = args.method or "prompt-lookup"
     if device.type == "cuda" and args.method == "lookahead":  # docs/results.md, the CUDA section
         print("[decode: on CUDA, lookahead's tree steps run without CUDA graphs and round unlike them: slower than "
@@ -369,11 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=_number(0, 1, low_open=True), default=1.0)
     p.add_argument("--seed", type=_whole(0), default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--kernel", choices=["auto", "dense", "fp32", "fp32-onednn", "bf16", "int8", "int4"],
+    p.add_argument("--kernel", choices=["auto", "dense", "fp32", "fp32-onednn", "bf16", "bf16-avx2", "int8", "int4",
+                                        "int4-avx2"],
                    default="auto",
                    help="auto: each linear group runs on the fastest format measured here among those that hold "
-                        "its weights exactly (fp32, bf16, int8 for per-channel W8, int4 for W4 exports; W8A8 exports "
-                        "on torch._int_mm); dense: fp32 matmuls; a format: used wherever it is exact")
+                        "its weights exactly (fp32, bf16, int8 for per-channel W8, int4 for W4 exports, our own "
+                        "bf16-avx2 and int4-avx2 kernels on AVX2 CPUs; W8A8 exports on torch._int_mm); dense: fp32 "
+                        "matmuls; a format: used wherever it is exact")
     p.add_argument("--compile", action="store_true",
                    help="compile the engine's steps (one token, and verify steps of up to 8) with AOTInductor: a "
                         "minute or more the first time; the compiled step is kept under $COMPRESS_CACHE/engine "

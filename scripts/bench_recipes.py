@@ -52,7 +52,7 @@ def score(model: str, reports: list[dict], args) -> None:
     """Fill each report's ``eval`` from one shared pass over the evaluation windows."""
     import torch
 
-    from compress import models
+    from compress import export, models
     from compress.evaluate import evaluate_many
 
     device = models.pick_device(args.device)
@@ -65,6 +65,8 @@ def score(model: str, reports: list[dict], args) -> None:
     print(f"scored {len(reports)} exports of {model} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     for r in reports:
         r["eval"] = results[r["recipe"]].as_dict()
+        if args.report:  # kept exports carry their score, for `compress report`
+            export.add_evaluation(Path(r["output"]), r["eval"])
     del candidates, reference
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
@@ -87,9 +89,12 @@ def main() -> None:
     parser.add_argument("--no-kl", action="store_true", help="skip the dense reference (no KL, top-1 or dense row)")
     parser.add_argument("--reuse", action="store_true", help="with --keep: score exports already there instead of "
                                                              "compressing them again")
+    parser.add_argument("--report", metavar="DIR", help="with --keep: also write each export's score into its "
+                                                       "report.json, and `compress report`'s table and plots "
+                                                       "into DIR/<model>")
     args = parser.parse_args()
-    if args.reuse and not args.keep:
-        parser.error("--reuse needs --keep DIR (where the earlier exports are)")
+    if (args.reuse or args.report) and not args.keep:
+        parser.error("--reuse and --report need --keep DIR (where the exports are kept)")
 
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")
@@ -113,6 +118,11 @@ def main() -> None:
                 continue
             score(model, reports, args)
             raw += reports
+            if args.report:
+                from compress import report
+
+                files, note = report.write([r["output"] for r in reports], Path(args.report) / model)
+                print(f"report: {files[0]}" + (f" ({note})" if note else ""), file=sys.stderr, flush=True)
             if not args.no_kl:
                 rows.append([model, "dense", "16", "", "", "", "", f"{reports[0]['eval']['ref_ppl']:.3f}", "0", "1.000",
                              "", ""])

@@ -80,6 +80,12 @@ def test_decode_rejects_a_bad_number_before_loading_anything():
     assert "Traceback" not in result.stderr
 
 
+def test_decode_refuses_our_avx2_kernels_where_they_are_off(monkeypatch):
+    monkeypatch.setenv("COMPRESS_NATIVE", "0")
+    result = run("decode", "smollm2-135m", "--prompt", "hi", "--kernel", "int4-avx2")
+    assert result.returncode == 2 and "--kernel int4-avx2: our AVX2 kernels are not available here" in result.stderr
+
+
 def test_decode_prompt_lookup_prints_the_greedy_output():
     prompt = "Repeat after me: the quick brown fox jumps over the lazy dog."
     # one named kernel: ``auto`` keeps its timings per machine, but the first two processes on a

@@ -563,7 +563,7 @@ def _fingerprint(engine: Engine) -> str:
     code, and every byte of its weights (a stale package would decode wrong tokens silently)."""
     digest = hashlib.blake2b(digest_size=16)
     settings = [kernels.machine_key(engine.device), str(engine.device), str(engine.dtype),
-                engine.step_rows, sorted(engine.formats.items()), INDUCTOR_OPTIONS,
+                engine.step_rows, sorted(engine.formats.items()), engine.native_attention, INDUCTOR_OPTIONS,
                 engine.config.to_json_string()]
     digest.update(repr(settings).encode())
     for module in (sys.modules[__name__], kernels):  # the code that builds the graph
