@@ -102,13 +102,7 @@ def _plot(records: list[dict], file: str, out: Path) -> Path | None:
         ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / file
-    partial = path.with_name(f".{file}.{os.getpid()}.partial.png")
-    fig.savefig(partial)
-    plt.close(fig)
-    os.replace(partial, path)
-    return path
+    return _save(fig, out / file)
 
 
 def _plot_times(records: list[dict], out: Path) -> Path | None:
@@ -121,9 +115,15 @@ def _plot_times(records: list[dict], out: Path) -> Path | None:
     ax.barh([t[0] for t in timed], [t[1] for t in timed], color="tab:blue")
     ax.set_xlabel("compression time (s)")
     ax.invert_yaxis()
+    return _save(fig, out / "compress_time.png")
+
+
+def _save(fig, path: Path) -> Path:
+    """Written beside, then renamed: a killed run leaves no half-written plot."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    path = out / "compress_time.png"
-    partial = path.with_name(f".compress_time.png.{os.getpid()}.partial.png")
+    partial = path.with_name(f".{path.stem}.{os.getpid()}.partial.png")  # savefig picks the format by suffix
     fig.savefig(partial)
     plt.close(fig)
     os.replace(partial, path)
