@@ -580,8 +580,8 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
     formats, timings = {}, {}
     for name, layers in groups.items():
         if lossy and name in lossy:  # a lossy int4 on a CPU may run on either int4 kernel: the faster one
-            exact = [lossy[name]] + (["int4-avx2"] if lossy[name] == "int4" and kernel == "auto"
-                                     and device.type == "cpu" and native.available() else [])
+            exact = [lossy[name]] + (["int4-avx2"] if lossy[name] == "int4" and kernel == "auto" and device.type == "cpu"
+                                     and layers[0][0].in_features % 64 == 0 and native.available() else [])
             if len(exact) == 1:
                 formats[name] = exact[0]
                 continue
@@ -609,6 +609,8 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
             formats[name] = kernel if kernel in exact else exact[0]
         elif "dense" in exact:  # an accelerator: its own dtype
             formats[name] = "dense"
+        elif kernel.endswith("-avx2") and "bf16-avx2" in exact:  # our W4 kernel asked: our bf16 one elsewhere
+            formats[name] = "bf16-avx2"
         else:  # dense, or a format that does not hold these weights: bf16 for a bf16 format, else fp32
             formats[name] = "bf16" if takes_bf16(kernel) and "bf16" in exact else "fp32"
     return formats, timings
