@@ -36,7 +36,8 @@ def load(folders: list[str | Path]) -> list[dict]:
         except FileNotFoundError:
             raise ReportError(f"{folder} has no {REPORT}: give folders written by `compress apply`") from None
         except (OSError, ValueError) as e:
-            raise ReportError(f"could not read {path} ({type(e).__name__}): re-run the export or leave it out") from None
+            raise ReportError(f"could not read {path} ({type(e).__name__}): re-run the export or leave it "
+                              "out") from None
         record = {k: v for k, v in report.items() if k not in ("eval", "training")}
         records.append(record | (report.get("eval") or {}) | {"folder": str(folder)})
     return sorted(records, key=lambda r: (r.get("bits_per_weight") or 99, r.get("size_mb") or 0))
@@ -60,8 +61,9 @@ def _cell(value, digits: int = 3) -> str:
 
 
 def table(records: list[dict]) -> str:
-    rows = ["| recipe | method | bits/weight | size MB | perplexity | original's | KL | top-1 | compress s | peak RSS GB |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    head = ["recipe", "method", "bits/weight", "size MB", "perplexity", "original's", "KL", "top-1", "compress s",
+            "peak RSS GB"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         cells = [r.get("recipe"), r.get("method"), _cell(r.get("bits_per_weight"), 2), _cell(r.get("size_mb"), 1),
                  _cell(r.get("ppl")), _cell(r.get("ref_ppl")), _cell(r.get("kl"), 4), _cell(r.get("top1")),

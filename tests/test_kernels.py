@@ -136,7 +136,7 @@ def test_native_bf16_product_and_attention_compute_what_torch_computes():
         got = torch.ops.compress.decode_attention(q, k, v, positions, window, 0.25)
         for m, last in enumerate(positions.tolist()):
             first = max(0, last - window + 1) if window else 0
-            keys, values = k[:, first : last + 1].repeat_interleave(2, 0), v[:, first : last + 1].repeat_interleave(2, 0)
+            keys, values = (t[:, first : last + 1].repeat_interleave(2, 0) for t in (k, v))
             weights = torch.softmax(torch.einsum("hd,hsd->hs", q[:, m], keys) * 0.25, -1)
             torch.testing.assert_close(got[:, m], torch.einsum("hs,hsd->hd", weights, values), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="outside the cache"):

@@ -580,8 +580,9 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
     formats, timings = {}, {}
     for name, layers in groups.items():
         if lossy and name in lossy:  # a lossy int4 on a CPU may run on either int4 kernel: the faster one
-            exact = [lossy[name]] + (["int4-avx2"] if lossy[name] == "int4" and kernel == "auto" and device.type == "cpu"
-                                     and layers[0][0].in_features % 64 == 0 and native.available() else [])
+            native_fits = device.type == "cpu" and layers[0][0].in_features % 64 == 0 and native.available()
+            exact = [lossy[name]] + (["int4-avx2"] if lossy[name] == "int4" and kernel == "auto" and native_fits
+                                     else [])
             if len(exact) == 1:
                 formats[name] = exact[0]
                 continue

@@ -204,7 +204,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto out = at::empty({H, M, D}, q.options());
   const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const int64_t* pp = pc.data_ptr<int64_t>();
-  for (int64_t m = 0; m < M; ++m) TORCH_CHECK(0 <= pp[m] && pp[m] < S, "attention: position ", pp[m], " outside the cache");
+  for (int64_t m = 0; m < M; ++m) {
+    TORCH_CHECK(0 <= pp[m] && pp[m] < S, "attention: position ", pp[m], " outside the cache");
+  }
   float* op = out.data_ptr<float>();
   const int64_t groups = H / Hkv;
   const float scale = static_cast<float>(scaling);
@@ -219,7 +221,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       float best = -INFINITY;
       for (int64_t s = first; s <= last; ++s) {
         __m256 a = _mm256_setzero_ps();
-        for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kh + s * D + d), a);
+        for (int64_t d = 0; d < D; d += 8) {
+          a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kh + s * D + d), a);
+        }
         p[s] = hsum(a) * scale;
         best = std::max(best, p[s]);
       }
@@ -231,7 +235,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       float* o = op + hm * D;
       for (int64_t d = 0; d < D; d += 8) {
         __m256 a = _mm256_setzero_ps();
-        for (int64_t s = first; s <= last; ++s) a = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(vh + s * D + d), a);
+        for (int64_t s = first; s <= last; ++s) {
+          a = _mm256_fmadd_ps(_mm256_set1_ps(p[s]), _mm256_loadu_ps(vh + s * D + d), a);
+        }
         _mm256_storeu_ps(o + d, _mm256_mul_ps(a, _mm256_set1_ps(1.f / total)));
       }
     }
