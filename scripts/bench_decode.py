@@ -231,10 +231,10 @@ def main() -> None:
     else:
         rows[f"ours W4 greedy (RTN in memory), {how}"] = engine_row(base, quantize="w4", **w4)
     rows[f"ours W4 greedy + int4 lm_head (lossy), {how}"] = engine_row(base, quantize="w4", lm_head="int4", **w4)
+    plain = "CUDA graphs" if cuda else "eager"  # the target's steps (a W4 draft: its own graphs, or eager)
     if args.w8a8:
         w8a8 = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)
-        rows[f"ours W8A8 greedy ({Path(args.w8a8).name}), eager"] = engine_row(w8a8)
-    plain = "CUDA graphs" if cuda else "eager"  # the target's steps (a W4 draft: its own graphs, or eager)
+        rows[f"ours W8A8 greedy ({Path(args.w8a8).name}), {plain}"] = engine_row(w8a8)
     rows[f"ours prompt lookup, {plain}"] = engine_row(base, "lookup")
     rows[f"ours W4 self-draft, {plain}"] = engine_row(base, "draft")
     rows[f"ours W4 self-draft + prompt lookup, {plain}"] = engine_row(base, "lookup+draft")
@@ -256,7 +256,7 @@ def main() -> None:
     rows["ours early exit (lossy), eager"] = early_exit_row
     if args.kivi:
         kivi = models.for_compute(models.load(args.kivi, torch.bfloat16).model, device)
-        rows[f"ours KIVI {kvcache.scheme_of(kivi).describe()} greedy, eager"] = engine_row(kivi)
+        rows[f"ours KIVI {kvcache.scheme_of(kivi).describe()} greedy, {plain}"] = engine_row(kivi)
     rows["transformers static cache + torch.compile, bf16"] = hf_static_compiled  # last: a failure inside
     # inductor's CUDA graphs can leave the GPU's state broken for the rows after it
     try:

@@ -112,3 +112,20 @@ def test_cuda_graph_verify_step_rounds_as_one_token_steps_in_bf16():
     engine.crop(8)
     one_by_one = torch.cat([engine.forward(ids[0, t : t + 1]) for t in range(32, 40)])
     assert torch.equal(together, one_by_one)
+
+
+def test_w8a8_on_cuda_runs_int_mm_padded_and_matches_the_fake_quantized_model():
+    from compress.decode.engine import Engine
+    from tests.conftest import compress_with
+
+    model = tiny("llama")
+    calibration = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    compress_with(model, "  - smoothquant: {alpha: 0.5}\n  - rtn: {bits: 8, group_size: -1}\n", calibration)
+    model.to(CUDA)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    with torch.no_grad():
+        fake = model(ids).logits[0]
+    graphed, eager = Engine(model), Engine(model, graphs=False)
+    assert set(graphed.formats.values()) == {"w8a8", "dense"}  # the lm_head is not W8A8
+    torch.testing.assert_close(eager.forward(ids), fake, atol=5e-3, rtol=0)  # as on the CPU (test_kernels)
+    assert greedy(graphed, ids, 16).tokens == greedy(eager, ids, 16).tokens  # padded rows change no row

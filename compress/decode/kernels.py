@@ -375,8 +375,10 @@ class W8A8(Matmul):
     """Int8 weights and per-token int8 activations on ``torch._int_mm`` (SmoothQuant's exports)."""
 
     fmt = "w8a8"
+    CUDA_ROWS = 32  # cuBLAS's int8 GEMM behind ``_int_mm`` takes more than 16 rows: fewer are padded
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias):
+        self.device = q.device
         super().__init__(bias)
         self.weight_t, self.scale = q.t().contiguous(), scale.float().reshape(1, -1)
         self.nbytes, (self.out_features, self.in_features) = self.weight_t.nbytes + self.scale.nbytes, q.shape
@@ -384,7 +386,10 @@ class W8A8(Matmul):
     def matmul(self, x):
         scale = (x.abs().amax(-1, keepdim=True) / 127.5).clamp(min=1e-8)
         q = torch.round(x / scale).clamp(-128, 127).to(torch.int8)
-        return torch._int_mm(q, self.weight_t).float() * scale * self.scale
+        rows = q.shape[0]
+        if q.is_cuda and rows < self.CUDA_ROWS:  # integer products: a padded row changes no other row
+            q = F.pad(q, (0, 0, 0, self.CUDA_ROWS - rows))
+        return torch._int_mm(q, self.weight_t)[:rows].float() * scale * self.scale
 
 
 def rows_ride_along(fmt: str) -> bool:
@@ -411,10 +416,11 @@ def _bias(linears: list) -> torch.Tensor | None:
 
 def exact_formats(linears: list, device: torch.device) -> list[str]:
     """The formats that hold every linear of the group exactly, on ``device``."""
+    if all(_w8a8_integers(lin) is not None for lin in linears) and (
+            device.type == "cpu" or linears[0].in_features % 8 == sum(lin.out_features for lin in linears) % 8 == 0):
+        return ["w8a8"]  # its activations are int8 by design: the float formats would not be W8A8
     if device.type != "cpu":
         return ["dense"] + (["int4"] if _int4_fits(linears, device) else [])
-    if all(_w8a8_integers(lin) is not None for lin in linears):
-        return ["w8a8"]  # its activations are int8 by design: the float formats would not be W8A8
     found = ["fp32"] + (["fp32-onednn"] if onednn_available() else [])
     weights = [lin.weight.detach() for lin in linears]
     if all(torch.equal(w.to(torch.bfloat16).to(w.dtype), w) for w in weights):
