@@ -223,6 +223,11 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
         # W8A8: compressed-tensors unpacks the int8 weights in a hook on the whole model's first
         # forward; evaluation calls the body and the head apart, so unpack them now
         model.hf_quantizer.compressor.decompress_model(model)
+        from compressed_tensors.offload import remove_dispatch
+
+        # which also wraps every module's tensors in an offload cache that would keep them on the CPU
+        # after ``.to("cuda")``: plain modules again
+        remove_dispatch(model)
     if (kv := getattr(model.config, kvcache.CONFIG_KEY, None)) is not None:
         kv = {k: v for k, v in kv.items() if k != "method"}
         kvcache.install(model, kv)

@@ -126,7 +126,7 @@ def block_state(block: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
             meta["quantized"][name] = asdict(qw.scheme)
             tensors |= {f"quantized/{name}/q": qw.q, f"quantized/{name}/scale": qw.scale,
                         f"quantized/{name}/zero_point": qw.zero_point}
-            if torch.equal(m.weight, dequantize(qw.q, qw.scale, qw.zero_point, qw.scale.dtype).to(m.weight.dtype)):
+            if torch.equal(m.weight, dequantize(qw.q, qw.scale, qw.zero_point, qw.scale.dtype).to(m.weight)):
                 meta["rebuilt"].append(f"{name}.weight")
         if (act := input_quant_of(m)) is not None:
             meta["input_quant"][name] = asdict(act)

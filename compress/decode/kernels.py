@@ -377,10 +377,10 @@ class W8A8(Matmul):
     fmt = "w8a8"
     CUDA_ROWS = 32  # cuBLAS's int8 GEMM behind ``_int_mm`` takes more than 16 rows: fewer are padded
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias):
-        self.device = q.device
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias, device: torch.device = torch.device("cpu")):
+        self.device = device
         super().__init__(bias)
-        self.weight_t, self.scale = q.t().contiguous(), scale.float().reshape(1, -1)
+        self.weight_t, self.scale = q.t().contiguous().to(device), scale.float().reshape(1, -1).to(device)
         self.nbytes, (self.out_features, self.in_features) = self.weight_t.nbytes + self.scale.nbytes, q.shape
 
     def matmul(self, x):
@@ -469,7 +469,7 @@ def build(fmt: str, linears: list, device: torch.device, traceable: bool = False
         return OneDNN(weight(), bias, torch.float32 if fmt == "fp32-onednn" else torch.bfloat16, traceable)
     if fmt == "w8a8":
         q, scale = zip(*(_w8a8_integers(lin) for lin in linears))
-        return W8A8(torch.cat(q), torch.cat(scale), bias)
+        return W8A8(torch.cat(q), torch.cat(scale), bias, device)
     qws = [quantized_of(lin) or quantize_weight(lin.weight.detach().float(), _LOSSY[fmt](lin), torch.bfloat16)
            for lin in linears]
     if fmt == "int8":
