@@ -294,8 +294,8 @@ class BlockData:
         head, tail = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, None)
         if "x" not in seen or not isinstance(head, torch.Tensor) or any(t is not None for t in tail or ()):
             return False
-        mine = self.block.get_submodule(linear)(seen["x"])
-        return tail if torch.equal(head.to(mine.device), mine) else False  # a replayed module's output may be kept on the CPU
+        mine = self.block.get_submodule(linear)(seen["x"])  # a replayed module's output may be kept on the CPU
+        return tail if torch.equal(head.to(mine.device), mine) else False
 
     def observe(self, groups, make_stat: Callable[[torch.nn.Module], object],
                 replay_after: bool = False) -> dict[str, object]:

@@ -129,3 +129,19 @@ def test_w8a8_on_cuda_runs_int_mm_padded_and_matches_the_fake_quantized_model():
     assert set(graphed.formats.values()) == {"w8a8", "dense"}  # the lm_head is not W8A8
     torch.testing.assert_close(eager.forward(ids), fake, atol=5e-3, rtol=0)  # as on the CPU (test_kernels)
     assert greedy(graphed, ids, 16).tokens == greedy(eager, ids, 16).tokens  # padded rows change no row
+
+
+def test_smoothquant_sweep_on_cuda_keeps_block_checkpoints_and_resumes(tmp_path):
+    from compress.resume import BlockCheckpoints
+
+    recipe = parse("passes:\n  - smoothquant: {alpha: 0.5}\n  - rtn: {bits: 8, group_size: -1}\n")
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    runs = []
+    for resume in (False, True):  # the second run reads both finished blocks back
+        model = tiny("llama").to(CUDA)
+        for p in recipe.passes:
+            p.check(model)
+        checkpoints = BlockCheckpoints(tmp_path / "out", {"k": 1}, resume)
+        run_sequential(model, ids, recipe.passes, CUDA, checkpoints=checkpoints)
+        runs.append(model.state_dict())
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
