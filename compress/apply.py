@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import data, export, kvcache, memory, models, resume
+from . import data, export, kv_quant, memory, models, resume
 from .evaluate import evaluate, windows_of
 from .passes import ModelPass
 from .pipeline import activation_store, run_passes
@@ -36,7 +36,7 @@ class Report:
     bits_per_weight: float | None  # quantized linears, scales and zero-points included
     sparsity: float | None  # share of exact zeros in the pruned linears, measured on the weights exported
     params_kept: float | None  # factored layers: their parameters over the dense layers'
-    kv_bytes_per_token: float | None  # quantized KV cache, scales included (bf16 dense: see kvcache)
+    kv_bytes_per_token: float | None  # quantized KV cache, scales included (bf16 dense: see kv_quant)
     size_mb: float
     compress_s: float
     peak_rss_gb: float  # the whole run, evaluation included
@@ -114,7 +114,7 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
         compress_s = time.perf_counter() - start
         totals = writer.totals
         bpw, sparsity, kept = totals.bits_per_weight(), totals.sparsity(), totals.params_kept()
-        kv = kvcache.bytes_per_token(model.model)
+        kv = kv_quant.bytes_per_token(model.model)
         method = " + ".join(p.summary() for p in recipe.passes)
         manifest = {"recipe": recipe.name, "base_model": source, "method": method, "seed": seed,
                     "calibration": calib_what, "bits_per_weight": bpw, "sparsity": sparsity, "params_kept": kept,

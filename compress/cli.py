@@ -80,7 +80,7 @@ def _eval(args) -> None:
 
 
 def _decode(args) -> None:
-    from . import decode, kvcache, models
+    from . import decode, kv_quant, models
     from .data import tokenizer_fingerprint
     from .decode import kernels, native
     from .decode.datastore import Datastore
@@ -117,7 +117,7 @@ def _decode(args) -> None:
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
     sampling = decode.Sampling(args.temperature, args.top_p, args.seed)
-    cache = kvcache.new_cache(model)
+    cache = kv_quant.new_cache(model)
     room = prompt.shape[1] + args.max_new_tokens + args.k + 1
 
     def engine(m, **kw):

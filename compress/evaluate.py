@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from . import kvcache
+from . import kv_quant
 from .arch import arch_of
 from .data import DataError, describe_source, load_text, tokenize
 from .lazy import StreamedModel, streamed
@@ -73,7 +73,7 @@ def final_hidden(model: StreamedModel, data: torch.Tensor, device: torch.device,
     block by block over all windows: one block of the model is in memory at a time."""
     dtype = compute_dtype(device, model.dtype)
     arch = arch_of(model.model)
-    with kvcache.simulating(model.model):  # a quantized KV cache, as a decoder would see it
+    with kv_quant.simulating(model.model):  # a quantized KV cache, as a decoder would see it
         hidden, calls = capture_inputs(model.model, data, device, dtype)
         for i in tqdm(range(len(model)), desc=desc, unit="block", disable=not progress):
             with model.block(i) as block:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import kvcache, lowrank
+from . import kv_quant, factored
 from .quant import ActivationScheme, QuantizedWeight, QuantScheme, input_quant_of, quantized_of
 from .sparsity import prune_mask_of
 
@@ -356,7 +356,7 @@ class Export:
             if prune_mask_of(m) is not None:
                 self.totals.zeros += (m.weight == 0).sum().item()
                 self.totals.pruned += m.weight.numel()
-            if isinstance(m, lowrank.Factored):
+            if isinstance(m, factored.Factored):
                 self.totals.factored += m[0].weight.numel() + m[1].weight.numel()
                 self.totals.replaced += m[0].in_features * m[1].out_features
             if getattr(m, "lora", None) is not None:
@@ -388,12 +388,12 @@ class Export:
             qconfig = quantization_config(self.linears, self.format or "pack-quantized")
             if qconfig is not None:
                 config["quantization_config"] = qconfig
-            config.pop(lowrank.CONFIG_KEY, None)
-            if ranks := lowrank.factored_ranks(model):
-                config[lowrank.CONFIG_KEY] = ranks  # our loader (and docs/design.md's recipe) rebuild these layers
-            config.pop(kvcache.CONFIG_KEY, None)
-            if (kv := kvcache.scheme_of(model)) is not None:
-                config[kvcache.CONFIG_KEY] = kvcache.config_entry(kv)  # our evaluator and decoder read it
+            config.pop(factored.CONFIG_KEY, None)
+            if ranks := factored.factored_ranks(model):
+                config[factored.CONFIG_KEY] = ranks  # our loader (and docs/design.md's recipe) rebuild these layers
+            config.pop(kv_quant.CONFIG_KEY, None)
+            if (kv := kv_quant.scheme_of(model)) is not None:
+                config[kv_quant.CONFIG_KEY] = kv_quant.config_entry(kv)  # our evaluator and decoder read it
             (self.tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
             if getattr(model, "generation_config", None) is not None:
                 model.generation_config.save_pretrained(self.tmp)

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import kvcache, lowrank
+from . import kv_quant, factored
 from .arch import arch_of, decoder_layers
 from .quant import ActivationScheme, quantize_inputs
 
@@ -264,8 +264,8 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
         del config.quantization_config  # we dequantize as we read; the model is built plain
     with init_empty_weights():  # parameters on meta; buffers (rotary tables) computed for real
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
-    if (ranks := getattr(config, lowrank.CONFIG_KEY, None)) is not None:
-        lowrank.install(model, ranks)
+    if (ranks := getattr(config, factored.CONFIG_KEY, None)) is not None:
+        factored.install(model, ranks)
     quantized = _CompressedTensors(qconfig) if qconfig and qconfig.get("quant_method") == "compressed-tensors" else None
     if qconfig is not None and quantized is None:
         raise CheckpointError(f"{where}: quantization method {qconfig.get('quant_method')!r} cannot be read here "
@@ -281,8 +281,8 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
     model.tie_weights()
     if quantized is not None and quantized.format == "int-quantized":
         _quantize_inputs(model, quantized)
-    if (kv := getattr(config, kvcache.CONFIG_KEY, None)) is not None:
-        kvcache.install(model, {k: v for k, v in kv.items() if k != "method"})
+    if (kv := getattr(config, kv_quant.CONFIG_KEY, None)) is not None:
+        kv_quant.install(model, {k: v for k, v in kv.items() if k != "method"})
     if (where / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(where)
     model.eval()

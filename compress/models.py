@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import kvcache, lazy, lowrank
+from . import kv_quant, lazy, factored
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -212,7 +212,7 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
     linears carry compressed-tensors' attributes, which the int8 decode kernels read."""
     from transformers import AutoModelForCausalLM
 
-    if isinstance(where, Path) and (lowrank.CONFIG_KEY in json.loads((where / "config.json").read_text())
+    if isinstance(where, Path) and (factored.CONFIG_KEY in json.loads((where / "config.json").read_text())
                                     or (where / "adapter" / "adapter_config.json").exists()):
         return lazy.open_model(where, dtype, trust_remote_code).load_all()
     model = AutoModelForCausalLM.from_pretrained(
@@ -228,9 +228,9 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
         # which also wraps every module's tensors in an offload cache that would keep them on the CPU
         # after ``.to("cuda")``: plain modules again
         remove_dispatch(model)
-    if (kv := getattr(model.config, kvcache.CONFIG_KEY, None)) is not None:
+    if (kv := getattr(model.config, kv_quant.CONFIG_KEY, None)) is not None:
         kv = {k: v for k, v in kv.items() if k != "method"}
-        kvcache.install(model, kv)
+        kv_quant.install(model, kv)
     return model.eval()
 
 

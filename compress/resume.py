@@ -26,8 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .kvcache import KVScheme
-from .lowrank import Factored
+from .kv_quant import KVScheme
+from .factored import Factored
 from .quant import (ActivationScheme, QuantizedWeight, QuantScheme, attach, dequantize, input_quant_of,
                     quantize_inputs, quantized_of)
 from .sparsity import prune_mask_of

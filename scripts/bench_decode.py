@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from compress import data, kvcache, models
+from compress import data, kv_quant, models
 from compress.decode import DraftModel, LookupThenDraft, PromptLookup, default_token_cost, greedy, speculate
 from compress.decode import early_exit, kernels
 from compress.decode.engine import Engine
@@ -256,7 +256,7 @@ def main() -> None:
     rows["ours early exit (lossy), eager"] = early_exit_row
     if args.kivi:
         kivi = models.for_compute(models.load(args.kivi, torch.bfloat16).model, device)
-        rows[f"ours KIVI {kvcache.scheme_of(kivi).describe()} greedy, {plain}"] = engine_row(kivi)
+        rows[f"ours KIVI {kv_quant.scheme_of(kivi).describe()} greedy, {plain}"] = engine_row(kivi)
     rows["transformers static cache + torch.compile, bf16"] = hf_static_compiled  # last: a failure inside
     # inductor's CUDA graphs can leave the GPU's state broken for the rows after it
     try:

@@ -15,7 +15,7 @@ import time
 import torch
 
 from compress import data, models
-from compress.kvcache import KIVICache, KVScheme, cache_dims, dense_bytes_per_token
+from compress.kv_quant import KIVICache, KVScheme, cache_dims, dense_bytes_per_token
 
 SCHEMES = [KVScheme(8, 32, 128), KVScheme(4, 32, 128), KVScheme(2, 32, 128), KVScheme(2, 32, 0)]
 

@@ -6,9 +6,9 @@ Skipped without one (CI has none); run on a lent GPU machine with ``pytest tests
 import pytest
 import torch
 
-from compress import kvcache
+from compress import kv_quant
 from compress.decode import PromptLookup, greedy, speculate
-from compress.kvcache import KIVICache, KVScheme
+from compress.kv_quant import KIVICache, KVScheme
 from compress.pipeline import run_sequential
 from compress.recipe import parse
 from tests.conftest import tiny
@@ -34,10 +34,10 @@ def test_gptq_sweep_on_cuda_puts_every_group_on_a_4_bit_grid():
 def test_kivi_simulation_equals_cached_decoding_on_cuda():
     model = tiny("llama").to(CUDA)
     scheme = KVScheme(2, 16, 32)
-    kvcache.install(model, scheme)
+    kv_quant.install(model, scheme)
     ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(1)).to(CUDA)
     with torch.no_grad():
-        with kvcache.simulating(model):
+        with kv_quant.simulating(model):
             simulated = model(ids, use_cache=False).logits
         cache = KIVICache(scheme, model.config.num_hidden_layers)
         decoded = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(80)], 1)

@@ -182,12 +182,12 @@ def test_kernel_timings_are_kept_per_machine(tmp_path, monkeypatch):
 
 
 def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding():
-    from compress import kvcache
+    from compress import kv_quant
 
     model = tiny("llama", layers=2)
-    kvcache.install(model, kvcache.KVScheme(bits=2, group_size=4, residual=8))  # 2 bits: the cache matters
+    kv_quant.install(model, kv_quant.KVScheme(bits=2, group_size=4, residual=8))  # 2 bits: the cache matters
     prompt = _prompt(21)
-    kivi = greedy(model, prompt, 40, cache=kvcache.new_cache(model)).tokens
+    kivi = greedy(model, prompt, 40, cache=kv_quant.new_cache(model)).tokens
     assert kivi != greedy(Engine(tiny("llama", layers=2), kernel="fp32"), prompt, 40).tokens  # it changes tokens
     engine = Engine(model, kernel="fp32")
     assert greedy(engine, prompt, 40).tokens == kivi

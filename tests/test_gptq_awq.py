@@ -4,7 +4,7 @@ import torch
 from compress.arch import arch_of, decoder_layers
 from compress.hessian import Hessian
 from compress.passes.awq import fold, search_scale
-from compress.obs import obs_sweep
+from compress.column_sweep import obs_sweep
 from compress.quant import QuantScheme, dequantize, quantize_weight, quantized_of
 from tests.conftest import compress_with, export_and_reload, tiny
 

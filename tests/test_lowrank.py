@@ -5,9 +5,9 @@ import json
 import pytest
 import torch
 
-from compress import lowrank, models
+from compress import factored, models
 from compress.hessian import Hessian
-from compress.lowrank import Factored, allocate_ranks, factors, rank_for_ratio, whitened_svd
+from compress.factored import Factored, allocate_ranks, factors, rank_for_ratio, whitened_svd
 from compress.passes import RecipeError
 from compress.export import export
 from compress.recipe import parse
@@ -66,7 +66,7 @@ def test_factored_export_reloads_to_the_same_logits(method, tmp_path):
     assert isinstance(mlp.down_proj, Factored)
     assert sum(p.numel() for p in mlp.parameters()) <= 0.5 * 3 * 64 * 128
     out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
-    assert "model.layers.0.mlp.down_proj" in json.loads((out / "config.json").read_text())[lowrank.CONFIG_KEY]
+    assert "model.layers.0.mlp.down_proj" in json.loads((out / "config.json").read_text())[factored.CONFIG_KEY]
     assert torch.equal(_logits(models.load_model(out, torch.float32)), _logits(model))
     assert torch.equal(_logits(_rebuild_as_documented(out)), _logits(model))
 
@@ -77,7 +77,7 @@ def test_merged_lowrank_exports_dense_weights(tmp_path):
     W = model.model.layers[0].mlp.down_proj.weight
     assert torch.linalg.matrix_rank(W) == rank_for_ratio(64, 128, 0.5)
     reloaded = export_and_reload(model, recipe, tmp_path / "x")
-    assert lowrank.CONFIG_KEY not in reloaded.config.to_dict()
+    assert factored.CONFIG_KEY not in reloaded.config.to_dict()
     assert torch.equal(_logits(reloaded), _logits(model))
 
 

@@ -5,7 +5,7 @@ import torch
 
 from compress.arch import arch_of, block_linears, decoder_layers
 from compress.hessian import Hessian
-from compress.obs import obs_sweep
+from compress.column_sweep import obs_sweep
 from compress.passes import RecipeError
 from compress.quant import quantized_of
 from compress.recipe import parse

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import USER_INDUCTOR_CACHE, kvcache
+from .. import USER_INDUCTOR_CACHE, kv_quant
 from ..models import cache_dir
 from . import kernels, native
 from .loop import DecodeError, device_of
@@ -121,7 +121,7 @@ class Engine:
 
     A model carrying a KIVI scheme (the ``kv_cache`` pass) gets KIVI's numerics: once the
     full-precision window holds ``residual`` tokens, they are quantized and replaced in the
-    cache by their dequantized values, as ``kvcache.KIVICache`` does, so attention reads what
+    cache by their dequantized values, as ``kv_quant.KIVICache`` does, so attention reads what
     KIVI decoding reads at dense speed. The engine keeps those values dense, not the codes: it
     reproduces KIVI's tokens, not its memory saving. ``kivi=False`` keeps a full-precision
     cache whatever the model carries (a draft, whose rejected tokens must be rolled back).
@@ -196,7 +196,7 @@ class Engine:
         self.max_len, self.length, self.k_cache, self.v_cache = 0, 0, [], []
         # a compiled step attends past its tokens (``_run_compiled``): room for that from the start
         self._allocate(max_len + (2 * SPAN_ALIGN if compile else 0))
-        self.kv_scheme, self.quantized_upto = kvcache.scheme_of(model) if kivi else None, 0
+        self.kv_scheme, self.quantized_upto = kv_quant.scheme_of(model) if kivi else None, 0
         self.compiled, self.compile_seconds, self.note, self.exited = None, 0.0, "", None
         if step_rows is None:  # extra rows ride along with a float GEMM's weight reads, not with an integer
             # kernel's on a CPU; a GPU's step at a few rows is launch-bound whatever the kernel
@@ -271,7 +271,7 @@ class Engine:
         done = slice(self.quantized_upto, self.quantized_upto + n)
         for k_cache, v_cache in zip(self.k_cache, self.v_cache):
             # in the stream's dtype, as ``KIVICache`` quantizes (the cache may be wider: values stay exact)
-            k_cache[:, :, done], v_cache[:, :, done] = kvcache.round_trip(
+            k_cache[:, :, done], v_cache[:, :, done] = kv_quant.round_trip(
                 k_cache[:, :, done].to(self.dtype), v_cache[:, :, done].to(self.dtype), s)
         self.quantized_upto += n
 

@@ -2,7 +2,7 @@
 error onto the not-yet-quantized columns through the inverse Hessian.
 
 The column sweep itself (``H = 2XᵀX``, ``U = chol(H⁻¹)ᵀ``, lazy block updates,
-act-order with static groups) lives in ``compress/obs.py``, shared with SparseGPT.
+act-order with static groups) lives in ``compress/column_sweep.py``, shared with SparseGPT.
 Weights pruned by an earlier pass stay exactly zero.
 """
 
@@ -12,7 +12,7 @@ import warnings
 
 import torch
 
-from ..obs import hessian_stages, obs_sweep, usable
+from ..column_sweep import hessian_stages, obs_sweep, usable
 from ..quant import QuantizedWeight, attach, quantize_weight
 from ..sparsity import prune_mask_of
 from .base import RecipeError, WeightQuantOptions, WeightQuantPass

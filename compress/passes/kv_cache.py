@@ -1,8 +1,8 @@
 """KV-cache quantization (KIVI): marks every attention with the scheme; no weight changes.
 
 Evaluation then simulates a decoder's quantized cache, the export records the scheme under
-``compress_kv_cache`` in config.json, and ``compress.kvcache.new_cache`` builds the cache
-for ``generate``. The math is in ``compress/kvcache.py``.
+``compress_kv_cache`` in config.json, and ``compress.kv_quant.new_cache`` builds the cache
+for ``generate``. The math is in ``compress/kv_quant.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Literal
 from pydantic import Field
 
 from ..arch import decoder_layers
-from ..kvcache import KVScheme, attention_modules
+from ..kv_quant import KVScheme, attention_modules
 from .base import LayerPass, PassOptions, RecipeError
 
 

@@ -1,6 +1,6 @@
 """LoRC (Yao et al. 2023, ZeroQuant-V2): a rank-r correction of the quantization error.
 
-After a quantization pass, ``E = W − Q(W)`` is approximated by ``B·A`` (``compress/lowrank.py``):
+After a quantization pass, ``E = W − Q(W)`` is approximated by ``B·A`` (``compress/factored.py``):
 plain SVD as in the paper, or whitened by ``XᵀX`` (``method: svdllm``) so the rank is spent
 where the layer's inputs are. The correction is exactly a LoRA adapter with scale 1 on the
 quantized base, so it exports as a PEFT adapter next to the checkpoint (vLLM serves LoRA on
@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import Field
 
 from ..hessian import Hessian, dampened_cholesky
-from ..lowrank import factors, whitened_svd
+from ..factored import factors, whitened_svd
 from ..quant import quantized_of
 from .base import LinearOptions, LinearPass
 

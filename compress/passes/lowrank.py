@@ -2,10 +2,10 @@
 
 ``ratio`` is the share of the targeted parameters kept. ``allocation: uniform`` gives every
 layer that ratio; ``sensitivity`` spends the same budget per block on the singular values
-worth most (``compress/lowrank.py``, ``allocate_ranks``). With ``merge: true`` the product
+worth most (``compress/factored.py``, ``allocate_ranks``). With ``merge: true`` the product
 ``BA`` is written back as a dense weight (loads everywhere, saves nothing); otherwise the
 layer becomes a ``Factored`` pair and exports as two tensors. The math is in
-``compress/lowrank.py``.
+``compress/factored.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from pydantic import Field
 
 from ..hessian import Hessian, dampened_cholesky
-from ..lowrank import Factored, allocate_ranks, factors, rank_for_ratio, whitened_svd
+from ..factored import Factored, allocate_ranks, factors, rank_for_ratio, whitened_svd
 from .base import LinearOptions, LinearPass
 
 

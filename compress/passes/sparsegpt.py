@@ -3,7 +3,7 @@
 
 Unstructured masks are chosen per block of ``blocksize`` columns (adaptive mask selection),
 N:M masks per group of M columns. With ``quantize:`` the survivors are rounded in the same
-sweep (GPTQ-style), so "2:4 + W4" is one pass over the data. The sweep is ``compress/obs.py``.
+sweep (GPTQ-style), so "2:4 + W4" is one pass over the data. The sweep is ``compress/column_sweep.py``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import warnings
 from typing import Optional
 
-from ..obs import hessian_stages, obs_sweep, usable
+from ..column_sweep import hessian_stages, obs_sweep, usable
 from ..quant import attach
 from ..sparsity import apply_mask, prune_mask_of, select_mask
 from .base import PruneOptions, PrunePass, QuantSpec, RecipeError, resolve_scheme

@@ -4,8 +4,8 @@ sees exactly what a decoder with the quantized cache sees."""
 import pytest
 import torch
 
-from compress import kvcache, models
-from compress.kvcache import KIVICache, KIVILayer, KVScheme, quantize_keys, quantize_values
+from compress import kv_quant, models
+from compress.kv_quant import KIVICache, KIVILayer, KVScheme, quantize_keys, quantize_values
 from compress.passes import RecipeError
 from compress.recipe import parse
 from tests.conftest import _NoTokenizer, compress_with, tiny
@@ -19,7 +19,7 @@ def test_round_trip_error_within_half_a_step(bits, residual):
     s = KVScheme(bits, 16, residual)
     for quantize, grouped in ((quantize_keys, -2 if residual else -1), (quantize_values, -1)):
         codes, scale, minimum = quantize(KV, s)
-        restored = kvcache.dequantize(codes, scale, minimum, KV.shape)
+        restored = kv_quant.dequantize(codes, scale, minimum, KV.shape)
         step = scale.expand(codes.shape).reshape(KV.shape)  # each element's own group step
         assert ((restored - KV).abs() <= step / 2 + 1e-5).all()
         assert codes.max() <= 2**bits - 1
@@ -59,7 +59,7 @@ def test_bytes_per_token_counts_codes_scales_and_minima():
         codes, scale, minimum = quantize(k, s)
         stored += codes.numel() * s.bits / 8 + (scale.numel() + minimum.numel()) * 2  # fp16 scales
     assert s.bytes_per_token(layers=1, kv_heads=1, head_dim=32) == pytest.approx(stored / 64)
-    assert kvcache.dense_bytes_per_token(1, 1, 32) == 2 * 32 * 2
+    assert kv_quant.dense_bytes_per_token(1, 1, 32) == 2 * 32 * 2
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
@@ -68,17 +68,17 @@ def test_simulated_evaluation_equals_decoding_with_the_cache(model_type, scheme)
     """One full-window forward under ``simulating`` gives the logits that token-by-token
     decoding with ``KIVICache`` gives (Gemma-3: sliding and global layers)."""
     model = tiny(model_type)
-    kvcache.install(model, scheme)
+    kv_quant.install(model, scheme)
     ids = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        with kvcache.simulating(model):
+        with kv_quant.simulating(model):
             simulated = model(ids, use_cache=False).logits
         cache = KIVICache(scheme, model.config.num_hidden_layers)
         decoded = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(80)], 1)
         dense = model(ids).logits
     torch.testing.assert_close(simulated, decoded, atol=2e-6, rtol=0)
     assert (simulated - dense).abs().max() > 1e-3  # the cache is really quantized
-    assert model.config._attn_implementation != kvcache.ATTENTION  # restored after the evaluation
+    assert model.config._attn_implementation != kv_quant.ATTENTION  # restored after the evaluation
 
 
 def test_scheme_is_exported_and_reinstalled(tmp_path):
@@ -89,8 +89,8 @@ def test_scheme_is_exported_and_reinstalled(tmp_path):
     out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
     reloaded = models.load_model(out, torch.float32)
     assert reloaded.config.compress_kv_cache == {"method": "kivi", "bits": 2, "group_size": 16, "residual": 128}
-    assert kvcache.scheme_of(reloaded) == KVScheme(2, 16, 128)
-    assert isinstance(kvcache.new_cache(reloaded), KIVICache)
+    assert kv_quant.scheme_of(reloaded) == KVScheme(2, 16, 128)
+    assert isinstance(kv_quant.new_cache(reloaded), KIVICache)
 
 
 @pytest.mark.parametrize("passes,message", [
