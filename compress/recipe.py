@@ -112,79 +112,10 @@ def parse(text: str, name: str = "recipe") -> Recipe:
     except ValidationError as e:
         raise RecipeError(_format(e)) from None
     passes = [_parse_pass(i, entry) for i, entry in enumerate(fields.passes)]
-    _check_factoring(passes)
-    _check_lorc(passes)
-    _check_w8a8(passes)
-    _check_recovery(passes)
+    for i, p in enumerate(passes):
+        if problem := p.order_problem(passes[:i], passes[i + 1:]):
+            raise RecipeError(f"{p.where}: {problem}")
     return Recipe(fields, passes, text, name)
-
-
-def _check_lorc(passes: list[LayerPass]) -> None:
-    """LoRC corrects a quantization pass before it and is folded into the weights: nothing may follow."""
-    from .passes.base import WeightQuantPass
-    from .passes.lorc import LoRC
-    from .passes.sparsegpt import SparseGPT
-
-    for i, p in enumerate(passes):
-        if not isinstance(p, LoRC):
-            continue
-        if not any(isinstance(q, WeightQuantPass) or (isinstance(q, SparseGPT) and q.options.quantize)
-                   for q in passes[:i]):
-            raise RecipeError(f"{p.where}: LoRC corrects quantization error; put a quantization pass before it")
-        if i != len(passes) - 1:
-            raise RecipeError(f"{p.where}: LoRC must be the last pass (its correction is not a quantized weight)")
-
-
-def _check_w8a8(passes: list[LayerPass]) -> None:
-    """int8 activations need int8 weights after them: W8A8 is one kernel (and one export format)."""
-    from .passes.base import WeightQuantPass
-    from .passes.smoothquant import SmoothQuant
-
-    for i, p in enumerate(passes):
-        if isinstance(p, SmoothQuant) and not any(isinstance(q, WeightQuantPass) and q.options.bits == 8
-                                                  for q in passes[i + 1:]):
-            raise RecipeError(f"{p.where}: int8 activations need int8 weights; follow it with rtn or gptq, bits: 8")
-
-
-def _check_recovery(passes: list[LayerPass]) -> None:
-    """Model passes train the result of the block sweep, so they come after every layer-pass;
-    recovery needs something compressed to recover, and LoRA needs a quantized base."""
-    from .passes import ModelPass
-    from .passes.base import WeightQuantPass
-    from .passes.blockwise import Blockwise
-    from .passes.kv_cache import KVCachePass
-    from .passes.qlora import QLoRA
-    from .passes.sparsegpt import SparseGPT
-
-    def quantizes(q):
-        return isinstance(q, WeightQuantPass) or (isinstance(q, SparseGPT) and q.options.quantize)
-
-    def compresses(q):
-        return not isinstance(q, (ModelPass, Blockwise, KVCachePass))
-
-    for i, p in enumerate(passes):
-        if isinstance(p, ModelPass) and (later := [q for q in passes[i + 1:] if not isinstance(q, ModelPass)]):
-            raise RecipeError(f"{p.where}: trains the whole compressed model, so it must follow every "
-                              f"block pass ({later[0].where} comes after it)")
-        if isinstance(p, (ModelPass, Blockwise)) and not any(compresses(q) for q in passes[:i]):
-            raise RecipeError(f"{p.where}: recovers what compression lost; put a compression pass before it")
-        if (isinstance(p, QLoRA) or "lora" in getattr(p.options, "train", [])) and \
-                not any(quantizes(q) for q in passes[:i]):
-            raise RecipeError(f"{p.where}: LoRA trains on a frozen quantized base; put a quantization pass before it")
-
-
-def _check_factoring(passes: list[LayerPass]) -> None:
-    """Factored layers are dense pairs that nothing after can transform, and they export in our
-    own layout, which cannot carry quantized tensors: factoring comes last and alone."""
-    from .passes.lowrank import LowRank
-
-    factoring = [p for p in passes if isinstance(p, LowRank) and not p.options.merge]
-    if not factoring:
-        return
-    others = [p for p in passes if p is not factoring[0] and not isinstance(p, LowRank)]
-    if others or len(factoring) > 1:
-        raise RecipeError(f"{factoring[0].where}: factored layers cannot be combined with other passes "
-                          f"({(others or factoring[1:])[0].where}); set merge: true to export dense weights")
 
 
 def load(path: str | Path) -> Recipe:

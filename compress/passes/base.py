@@ -4,6 +4,8 @@ A layer-pass is a class with an ``Options`` model (its YAML keys; typos fail)
 and two methods: ``check(model)`` validates against the model's shapes before
 any compute, ``apply(block, data, prefix)`` transforms one decoder block. The
 pipeline owns the data flow; ``data`` is None for passes with ``needs_data = False``.
+A pass that needs others before or after it says so in ``order_problem``, which the
+recipe parser calls for every pass: a new method is one file and one recipe.
 """
 
 from __future__ import annotations
@@ -32,10 +34,20 @@ class LayerPass:
     name: ClassVar[str]
     Options: ClassVar[type[PassOptions]]
     needs_data: ClassVar[bool] = True
+    compresses: ClassVar[bool] = True  # changes the weights (recovery and the KV cache do not)
 
     def __init__(self, options: PassOptions, where: str):
         self.options = options
         self.where = where  # YAML path of this pass, e.g. "passes[0].rtn"
+
+    @property
+    def weight_bits(self) -> int | None:
+        """The bits of the integer weights this pass leaves (None: it rounds no weights)."""
+        return None
+
+    def order_problem(self, before: list[LayerPass], after: list[LayerPass]) -> str | None:
+        """What is wrong with this pass's place among the recipe's passes, or None."""
+        return None
 
     def check(self, model: torch.nn.Module) -> None:
         pass
@@ -47,9 +59,26 @@ class LayerPass:
         return self.name
 
 
+def recovery_problem(recovery: LayerPass, before: list[LayerPass]) -> str | None:
+    """Recovery needs something compressed to recover, and LoRA needs a quantized base."""
+    if not any(q.compresses for q in before):
+        return "recovers what compression lost; put a compression pass before it"
+    if "lora" in getattr(recovery.options, "train", []) and not any(q.weight_bits for q in before):
+        return "LoRA trains on a frozen quantized base; put a quantization pass before it"
+    return None
+
+
 class ModelPass(LayerPass):
     """A pass over the whole model after the block sweep (recovery training): it gets the
     compressed model, the original as teacher, and the calibration ids."""
+
+    compresses = False
+
+    def order_problem(self, before, after):
+        if later := [q for q in after if not isinstance(q, ModelPass)]:
+            return (f"trains the whole compressed model, so it must follow every block pass "
+                    f"({later[0].where} comes after it)")
+        return recovery_problem(self, before)
 
     def apply(self, block, data, prefix: str) -> None:
         raise TypeError(f"{self.where} is a model pass; the pipeline calls apply_model")
@@ -166,6 +195,10 @@ class WeightQuantPass(LinearPass):
 
     Options = WeightQuantOptions
     scheme: QuantScheme
+
+    @property
+    def weight_bits(self) -> int:
+        return self.options.bits
 
     def check(self, model: torch.nn.Module) -> None:
         super().check(model)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..recovery import Trainables, train
-from .base import LinearPass, RecoveryOptions
+from .base import LinearPass, RecoveryOptions, recovery_problem
 
 
 class BlockwiseOptions(RecoveryOptions):
@@ -28,10 +28,14 @@ class Blockwise(LinearPass):
     name = "blockwise"
     Options = BlockwiseOptions
     needs_original = True  # the pipeline keeps a copy of each block from before the passes
+    compresses = False
 
     def __init__(self, options, where):
         super().__init__(options, where)
         self.log: dict[str, dict] = {}  # block -> loss of the first and last tenth of its steps
+
+    def order_problem(self, before, after):
+        return recovery_problem(self, before)
 
     def apply(self, block, data, prefix: str) -> None:
         o = self.options

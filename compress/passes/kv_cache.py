@@ -26,6 +26,7 @@ class KVCachePass(LayerPass):
     name = "kv_cache"
     Options = KVCacheOptions
     needs_data = False
+    compresses = False  # the weights stay as they are
 
     def __init__(self, options, where):
         super().__init__(options, where)

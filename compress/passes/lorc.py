@@ -36,6 +36,14 @@ class LoRC(LinearPass):
         super().__init__(options, where)
         self.needs_data = options.method == "svdllm"
 
+    def order_problem(self, before, after):
+        """It corrects a quantization pass before it and is folded into the weights: nothing may follow."""
+        if not any(q.weight_bits for q in before):
+            return "LoRC corrects quantization error; put a quantization pass before it"
+        if after:
+            return "LoRC must be the last pass (its correction is not a quantized weight)"
+        return None
+
     def apply(self, block, data, prefix: str) -> None:
         o = self.options
         targets = {n: lin for n, lin in self.targets(block, prefix).items() if quantized_of(lin) is not None}

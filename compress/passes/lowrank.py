@@ -49,6 +49,15 @@ class LowRank(LinearPass):
         super().__init__(options, where)
         self.needs_data = options.method != "svd"
 
+    def order_problem(self, before, after):
+        """Factored layers are dense pairs that nothing after can transform, and they export in our
+        own layout, which cannot carry quantized tensors: factoring comes last and alone."""
+        others = [q for q in before + after if not (isinstance(q, LowRank) and q.options.merge)]
+        if others and not self.options.merge:
+            return (f"factored layers cannot be combined with other passes ({others[0].where}); "
+                    "set merge: true to export dense weights")
+        return None
+
     def _whitening(self, name: str, stat) -> tuple[torch.Tensor | None, bool]:
         """``S`` for this layer and whether it is diagonal."""
         o = self.options

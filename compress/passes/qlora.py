@@ -32,6 +32,11 @@ class QLoRA(Distill):
     name = "qlora"
     Options = QLoRAOptions
 
+    def order_problem(self, before, after):
+        if not any(q.weight_bits for q in before):
+            return "LoRA trains on a frozen quantized base; put a quantization pass before it"
+        return super().order_problem(before, after)
+
     def trainables(self, model) -> Trainables:
         return Trainables(model, self.linears(model), self.options.train, self.dtype, rank=self.options.rank,
                           seed=torch.initial_seed())

@@ -18,7 +18,7 @@ from pydantic import Field
 from ..arch import foldable_scalings
 from ..quant import ActivationScheme, quantize_inputs
 from .awq import fold
-from .base import LinearOptions, LinearPass, RecipeError
+from .base import LinearOptions, LinearPass, RecipeError, WeightQuantPass
 
 
 class SmoothQuantOptions(LinearOptions):
@@ -48,6 +48,12 @@ class SmoothQuant(LinearPass):
         super().__init__(options, where)
         self.needs_data = options.smooth
         self.activation = ActivationScheme(8, per_token=options.activations == "token")
+
+    def order_problem(self, before, after):
+        """int8 activations need int8 weights after them: W8A8 is one kernel (and one export format)."""
+        if not any(isinstance(q, WeightQuantPass) and q.weight_bits == 8 for q in after):
+            return "int8 activations need int8 weights; follow it with rtn or gptq, bits: 8"
+        return None
 
     def check(self, model) -> None:
         super().check(model)

@@ -30,6 +30,10 @@ class SparseGPT(PrunePass):
     uses_hessian = True  # the memory plan counts its input statistics
     scheme = None
 
+    @property
+    def weight_bits(self) -> int | None:
+        return self.options.quantize.bits if self.options.quantize is not None else None
+
     def check(self, model) -> None:
         super().check(model)
         o = self.options
