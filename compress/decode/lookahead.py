@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from . import kernels
-from .loop import DecodeError, DecodeResult, Sampling, device_of, forward_logits, sync
+from .loop import DecodeError, DecodeResult, Sampling, device_of, emit, forward_logits, sync
 
 
 class NgramPool:
@@ -182,11 +182,7 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
     last_logits = runner.forward(prompt, all_logits=False)[-1:]
     _, _, next_token = accept_candidates([], [], last_logits, sampling, generator)
     tokens, forwards, proposed, accepted = [], 1, 0, 0
-    while True:
-        tokens.append(next_token)
-        context.append(next_token)
-        if next_token in eos or len(tokens) >= max_new_tokens:
-            break
+    while not emit(tokens, context, [next_token], eos, max_new_tokens):
         room = max_new_tokens - len(tokens) - 1  # the bonus token needs a place too
         candidates = [c[:room] for c in pool.get(next_token)] if room > 0 else []
         t = runner.length
@@ -211,12 +207,8 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
         proposed, accepted = proposed + (len(candidates[0]) if candidates else 0), accepted + n
         kept = list(candidates[best][:n]) if n else []
         runner.keep(t + 1, [t + begins[best] + i for i in range(n)] if n else [])
-        stop = next((i for i, tok in enumerate(kept) if tok in eos), None)
-        if stop is not None:
-            tokens += kept[: stop + 1]
+        if emit(tokens, context, kept, eos, max_new_tokens):
             break
-        tokens += kept
-        context += kept
         for i in range(max(0, len(context) - len(kept) - ngram + 1), len(context) - ngram + 1):
             pool.add(context[i], tuple(context[i + 1 : i + ngram]))  # the output seeds the pool too
     sync(runner.device)

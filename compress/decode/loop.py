@@ -167,11 +167,7 @@ def speculate(model, prompt: torch.Tensor, max_new_tokens: int, proposer, k: int
     else:
         next_token = int(torch.multinomial(sampling.probs(logits[-1]).cpu(), 1, generator=generator))
     tokens, forwards, proposed, accepted = [], 1, 0, 0
-    while True:
-        tokens.append(next_token)
-        context.append(next_token)
-        if next_token in eos or len(tokens) >= max_new_tokens:
-            break
+    while not emit(tokens, context, [next_token], eos, max_new_tokens):
         room = min(k, max_new_tokens - len(tokens) - 1)  # the bonus token needs a place too
         candidates, draft_probs = proposer.propose(context, room) if room > 0 else ([], None)
         logits = runner.forward([next_token, *candidates])  # (1 + len(candidates), vocab)
@@ -181,16 +177,21 @@ def speculate(model, prompt: torch.Tensor, max_new_tokens: int, proposer, k: int
         else:
             n, next_token = accept_sampled(candidates, sampling.probs(logits).cpu(), draft_probs, generator)
         proposed, accepted = proposed + len(candidates), accepted + n
-        kept = candidates[:n]
-        stop = next((i for i, t in enumerate(kept) if t in eos), None)
-        if stop is not None:  # an accepted end-of-sequence ends the output there
-            tokens += kept[: stop + 1]
+        if emit(tokens, context, candidates[:n], eos, max_new_tokens):
             break
-        tokens += kept
-        context += kept
         runner.crop(len(candidates) - n)  # forget the rejected candidates
     sync(runner.device)
     return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted)
+
+
+def emit(tokens: list[int], context: list[int], new: list[int], eos: set[int], max_new_tokens: int) -> bool:
+    """Add accepted tokens to the output and the context, up to an end-of-sequence among them
+    (it ends the output there); True when the output is complete."""
+    stop = next((i for i, t in enumerate(new) if t in eos), None)
+    new = list(new if stop is None else new[: stop + 1])
+    tokens += new
+    context += new
+    return stop is not None or len(tokens) >= max_new_tokens
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
