@@ -1,5 +1,3 @@
-
-
 import os as _os
 
 # Whether the user chose where torch.compile caches its code: loading a transformers model sets

@@ -47,11 +47,23 @@ class Report:
         return asdict(self)
 
 
-def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | None = None,
-          device: str | None = None, dtype: str = "bfloat16", seed: int | None = None, overwrite: bool = False,
-          evaluate_after: bool = True, eval_windows: int | None = None, eval_seqlen: int | None = None,
-          samples: int | None = None, max_shard_mb: int | None = None, spill: str | Path | None = None,
-          resume_run: bool = False, keep_blocks: bool = True) -> Report:
+def apply(
+    recipe: Recipe,
+    model_source: str | None = None,
+    output: str | Path | None = None,
+    device: str | None = None,
+    dtype: str = "bfloat16",
+    seed: int | None = None,
+    overwrite: bool = False,
+    evaluate_after: bool = True,
+    eval_windows: int | None = None,
+    eval_seqlen: int | None = None,
+    samples: int | None = None,
+    max_shard_mb: int | None = None,
+    spill: str | Path | None = None,
+    resume_run: bool = False,
+    keep_blocks: bool = True,
+) -> Report:
     """Read the model a block at a time, compress each block and write it to the export at once,
     then evaluate the export against the original, again a block at a time. ``spill``: a folder
     where calibration activations are kept in files instead of RAM. A calibrated sweep keeps
@@ -81,20 +93,37 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     whole = recipe.needs_data and cal.source == data.SELF or any(isinstance(p, ModelPass) for p in recipe.passes)
     n_samples = (samples or cal.samples) if recipe.needs_data else 0
     keep_blocks = keep_blocks and recipe.needs_data  # the long sweeps
-    need = memory.plan(model, recipe.passes, dev, n_samples, cal.seqlen, windows if eval_data is not None else 0,
-                       seqlen, whole, spill is not None, keep_blocks)
+    need = memory.plan(
+        model,
+        recipe.passes,
+        dev,
+        n_samples,
+        cal.seqlen,
+        windows if eval_data is not None else 0,
+        seqlen,
+        whole,
+        spill is not None,
+        keep_blocks,
+    )
     print(f"[compress] memory plan: {need.describe()}", flush=True)
     memory.check(need, dev)
     if spill is not None:
         memory.check_disk(need, spill)
     if resume_run and not keep_blocks:
         why = "calibrates nothing" if not recipe.needs_data else "runs with --no-checkpoints"
-        raise resume.ResumeError(f"--resume: {recipe.name} {why}, so it keeps no blocks to resume from; "
-                                 "run it without --resume")
+        raise resume.ResumeError(
+            f"--resume: {recipe.name} {why}, so it keeps no blocks to resume from; run it without --resume"
+        )
     checkpoints = None
     if recipe.needs_data:  # what makes the blocks what they are, for --resume (a plain run removes old ones)
-        key = {"recipe": recipe.text, "model": str(source), "seed": seed, "samples": n_samples, "dtype": dtype,
-               "device": dev.type}
+        key = {
+            "recipe": recipe.text,
+            "model": str(source),
+            "seed": seed,
+            "samples": n_samples,
+            "dtype": dtype,
+            "device": dev.type,
+        }
         checkpoints = resume.BlockCheckpoints(out, key, resume_run)
     if whole:
         model.load_all()  # data-free calibration generates with the whole model; recovery trains it
@@ -102,41 +131,75 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
     start = time.perf_counter()
     ids, calib_what = None, "none (no pass needs data)"
     if recipe.needs_data:
-        ids, calib_what = data.calibration_batches(model.model, tokenizer, cal.source, samples or cal.samples,
-                                                   cal.seqlen, seed)
+        ids, calib_what = data.calibration_batches(
+            model.model, tokenizer, cal.source, samples or cal.samples, cal.seqlen, seed
+        )
     writer = export.Export(out, overwrite, (max_shard_mb or export.MAX_SHARD_BYTES // 2**20) * 2**20, protected)
     try:  # everything, the report included, goes to the writer's temporary folder; renamed at the end
         prefix = model.prefix
-        run_passes(model, ids, recipe.passes, dev, lambda: models.open_streamed(source, torch_dtype).model.load_all(),
-                   on_block=lambda i, block: writer.add(block, f"{prefix}{i}."), store=store,
-                   checkpoints=checkpoints if keep_blocks else None)
+        run_passes(
+            model,
+            ids,
+            recipe.passes,
+            dev,
+            lambda: models.open_streamed(source, torch_dtype).model.load_all(),
+            on_block=lambda i, block: writer.add(block, f"{prefix}{i}."),
+            store=store,
+            checkpoints=checkpoints if keep_blocks else None,
+        )
         writer.add(model.model, skip=prefix.rstrip("."))
         compress_s = time.perf_counter() - start
         totals = writer.totals
         bpw, sparsity, kept = totals.bits_per_weight(), totals.sparsity(), totals.params_kept()
         kv = kv_quant.bytes_per_token(model.model)
         method = " + ".join(p.summary() for p in recipe.passes)
-        manifest = {"recipe": recipe.name, "base_model": source, "method": method, "seed": seed,
-                    "calibration": calib_what, "bits_per_weight": bpw, "sparsity": sparsity, "params_kept": kept,
-                    "kv_bytes_per_token": kv, "dtype": dtype, "evaluated": eval_data is not None}
+        manifest = {
+            "recipe": recipe.name,
+            "base_model": source,
+            "method": method,
+            "seed": seed,
+            "calibration": calib_what,
+            "bits_per_weight": bpw,
+            "sparsity": sparsity,
+            "params_kept": kept,
+            "kv_bytes_per_token": kv,
+            "dtype": dtype,
+            "evaluated": eval_data is not None,
+        }
         written = writer.finish(model.model, tokenizer, recipe.text, manifest)
-        report = Report(recipe.name, source, method, str(out), calib_what, bpw, sparsity, kept, kv,
-                        export.size_on_disk(written) / 1e6, compress_s, peak_rss_gb(),
-                        training={p.where: p.log for p in recipe.passes if getattr(p, "log", None)})
+        report = Report(
+            recipe.name,
+            source,
+            method,
+            str(out),
+            calib_what,
+            bpw,
+            sparsity,
+            kept,
+            kv,
+            export.size_on_disk(written) / 1e6,
+            compress_s,
+            peak_rss_gb(),
+            training={p.where: p.log for p in recipe.passes if getattr(p, "log", None)},
+        )
         del model, loaded
         if eval_data is not None:
             compressed = models.open_streamed(str(written), torch_dtype).model  # what was written, read back
             reference = models.open_streamed(source, torch_dtype).model if ev.kl else None
-            result = evaluate(compressed, tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data,
-                              device=dev)
+            result = evaluate(
+                compressed, tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data, device=dev
+            )
             report.eval = result.as_dict()
             report.peak_rss_gb = peak_rss_gb()
         (written / export.REPORT).write_text(json.dumps(report.as_dict(), indent=2))
     except BaseException:
         writer.abort()
         if checkpoints is not None and (checkpoints.folder / resume.STATE).is_file():
-            print(f"[compress] the blocks finished so far are kept in {checkpoints.folder}: the same command "
-                  "with --resume continues from them (without it, they are removed)", file=sys.stderr)
+            print(
+                f"[compress] the blocks finished so far are kept in {checkpoints.folder}: the same command "
+                "with --resume continues from them (without it, they are removed)",
+                file=sys.stderr,
+            )
         raise
     writer.publish()
     if checkpoints is not None:
@@ -145,17 +208,38 @@ def apply(recipe: Recipe, model_source: str | None = None, output: str | Path | 
 
 
 def format_table(reports: list[Report]) -> str:
-    head = ["method", "bits/w", "sparsity", "params kept", "size MB", "ppl before", "ppl after", "KL", "top-1", "time s",
-            "peak RSS GB"]
+    head = [
+        "method",
+        "bits/w",
+        "sparsity",
+        "params kept",
+        "size MB",
+        "ppl before",
+        "ppl after",
+        "KL",
+        "top-1",
+        "time s",
+        "peak RSS GB",
+    ]
     rows = []
     for r in reports:
         e = r.eval or {}
         fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
-        rows.append([r.method, fmt(r.bits_per_weight, ".2f"), fmt(r.sparsity, ".1%"), fmt(r.params_kept, ".1%"),
-                     f"{r.size_mb:.1f}",
-                     fmt(e.get("ref_ppl"), ".3f"),
-                     fmt(e.get("ppl"), ".3f"), fmt(e.get("kl"), ".4f"), fmt(e.get("top1"), ".3f"),
-                     f"{r.compress_s:.1f}", f"{r.peak_rss_gb:.2f}"])
+        rows.append(
+            [
+                r.method,
+                fmt(r.bits_per_weight, ".2f"),
+                fmt(r.sparsity, ".1%"),
+                fmt(r.params_kept, ".1%"),
+                f"{r.size_mb:.1f}",
+                fmt(e.get("ref_ppl"), ".3f"),
+                fmt(e.get("ppl"), ".3f"),
+                fmt(e.get("kl"), ".4f"),
+                fmt(e.get("top1"), ".3f"),
+                f"{r.compress_s:.1f}",
+                f"{r.peak_rss_gb:.2f}",
+            ]
+        )
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
     line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|"] + [line(r) for r in rows])

@@ -25,8 +25,18 @@ from .passes import RecipeError
 from .report import ReportError
 from .resume import ResumeError
 
-USER_ERRORS = (RecipeError, ModelLoadError, DataError, ExportError, UnknownArchitecture, DecodeError, CheckpointError,
-               MemoryPlanError, ResumeError, ReportError)
+USER_ERRORS = (
+    RecipeError,
+    ModelLoadError,
+    DataError,
+    ExportError,
+    UnknownArchitecture,
+    DecodeError,
+    CheckpointError,
+    MemoryPlanError,
+    ResumeError,
+    ReportError,
+)
 
 
 def _apply(args) -> None:
@@ -34,10 +44,23 @@ def _apply(args) -> None:
     from .apply import apply, format_table
 
     recipe = recipes.load(args.recipe)
-    report = apply(recipe, args.model, args.output, args.device, args.dtype, args.seed, args.overwrite,
-                   evaluate_after=not args.no_eval, eval_windows=args.windows, eval_seqlen=args.seqlen,
-                   samples=args.samples, max_shard_mb=args.max_shard_mb, spill=args.spill, resume_run=args.resume,
-                   keep_blocks=not args.no_checkpoints)
+    report = apply(
+        recipe,
+        args.model,
+        args.output,
+        args.device,
+        args.dtype,
+        args.seed,
+        args.overwrite,
+        evaluate_after=not args.no_eval,
+        eval_windows=args.windows,
+        eval_seqlen=args.seqlen,
+        samples=args.samples,
+        max_shard_mb=args.max_shard_mb,
+        spill=args.spill,
+        resume_run=args.resume,
+        keep_blocks=not args.no_checkpoints,
+    )
     print()
     print(f"model: {report.model}    output: {report.output}")
     print(f"calibration: {report.calibration}")
@@ -59,8 +82,10 @@ def _eval(args) -> None:
     device = models.pick_device(args.device)
     manifest = Path(args.model) / MANIFEST
     if args.write_report and not manifest.is_file():
-        raise ExportError(f"--write-report: {args.model} is not an export of ours (no {MANIFEST}); "
-                          "it fills in the report of an `apply --no-eval` export")
+        raise ExportError(
+            f"--write-report: {args.model} is not an export of ours (no {MANIFEST}); "
+            "it fills in the report of an `apply --no-eval` export"
+        )
     if args.write_report and not os.access(args.model, os.W_OK):
         raise ExportError(f"--write-report: {args.model} is not writable")
     loaded = models.open_streamed(args.model, dtype)  # a block at a time: no model is held whole
@@ -73,8 +98,10 @@ def _eval(args) -> None:
     print(f"protocol: {result.protocol}")
     print(f"perplexity: {result.ppl:.4f}")
     if ref_model is not None:
-        print(f"reference perplexity: {result.ref_ppl:.4f}    KL: {result.kl:.5f} nats/token    "
-              f"top-1 agreement: {result.top1:.4f}")
+        print(
+            f"reference perplexity: {result.ref_ppl:.4f}    KL: {result.kl:.5f} nats/token    "
+            f"top-1 agreement: {result.top1:.4f}"
+        )
     if args.write_report:
         print(f"report: {export.add_evaluation(Path(args.model), result.as_dict())}")
 
@@ -92,23 +119,34 @@ def _decode(args) -> None:
         raise decode.DecodeError(f"--draft is for --method draft or prompt-lookup, not {args.method}")
     device = models.pick_device(args.device)
     if args.kernel == "int4" and not kernels.int4_kernel_available(device):
-        raise decode.DecodeError(f"--kernel int4: this torch build has no int4 kernel for {device.type} "
-                                 "(on a GPU it needs compute capability 8.0 or newer); use --kernel auto")
+        raise decode.DecodeError(
+            f"--kernel int4: this torch build has no int4 kernel for {device.type} "
+            "(on a GPU it needs compute capability 8.0 or newer); use --kernel auto"
+        )
     if args.kernel.endswith("-avx2") and (device.type != "cpu" or not native.available()):
-        raise decode.DecodeError(f"--kernel {args.kernel}: our AVX2 kernels are not available here (they need an "
-                                 "x86 CPU with AVX2 and FMA, a C++ compiler, and COMPRESS_NATIVE unset); "
-                                 "use --kernel auto")
+        raise decode.DecodeError(
+            f"--kernel {args.kernel}: our AVX2 kernels are not available here (they need an "
+            "x86 CPU with AVX2 and FMA, a C++ compiler, and COMPRESS_NATIVE unset); "
+            "use --kernel auto"
+        )
     args.method = args.method or "prompt-lookup"
     if device.type == "cuda" and args.method == "lookahead":  # docs/results.md, the CUDA section
-        print("[decode: on CUDA, lookahead's tree steps run without CUDA graphs and round unlike them: slower than "
-              "--method greedy there, and its output can differ from greedy's at near-ties]", file=sys.stderr)
+        print(
+            "[decode: on CUDA, lookahead's tree steps run without CUDA graphs and round unlike them: slower than "
+            "--method greedy there, and its output can differ from greedy's at near-ties]",
+            file=sys.stderr,
+        )
     loaded = models.load(args.model, models.parse_dtype(args.dtype))
     model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
     if args.raw or tokenizer.chat_template is None:
         prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     else:
-        prompt = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                               return_tensors="pt", return_dict=True)["input_ids"]
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
     if prompt.numel() == 0:
         raise decode.DecodeError("the prompt is empty: give --prompt some text")
     prompt = prompt.to(device)
@@ -122,8 +160,11 @@ def _decode(args) -> None:
 
     def engine(m, **kw):
         built = Engine(m, kernel=args.kernel, max_len=room, compile=args.compile, **kw)
-        print(f"[decode engine: {built.describe()}; stream {str(built.dtype).removeprefix('torch.')}; "
-              f"{built.weight_bytes() / 1e6:.0f} MB of weights per token]", file=sys.stderr)
+        print(
+            f"[decode engine: {built.describe()}; stream {str(built.dtype).removeprefix('torch.')}; "
+            f"{built.weight_bytes() / 1e6:.0f} MB of weights per token]",
+            file=sys.stderr,
+        )
         return built
 
     target = engine(model)  # every method runs on the engine (KIVI caches too)
@@ -146,12 +187,16 @@ def _decode(args) -> None:
         elif args.draft:
             other = models.load(args.draft, models.parse_dtype(args.dtype))
             if tokenizer_fingerprint(other.tokenizer) != tokenizer_fingerprint(tokenizer):
-                raise decode.DecodeError(f"--draft {args.draft} has another tokenizer than {args.model}; a draft must "
-                                         "share the target's vocabulary")
+                raise decode.DecodeError(
+                    f"--draft {args.draft} has another tokenizer than {args.model}; a draft must "
+                    "share the target's vocabulary"
+                )
             if other.model.config.vocab_size != model.config.vocab_size:
-                raise decode.DecodeError(f"--draft {args.draft} has a vocabulary of {other.model.config.vocab_size} "
-                                         f"tokens, {args.model} of {model.config.vocab_size}; a draft must share "
-                                         "the target's vocabulary")
+                raise decode.DecodeError(
+                    f"--draft {args.draft} has a vocabulary of {other.model.config.vocab_size} "
+                    f"tokens, {args.model} of {model.config.vocab_size}; a draft must share "
+                    "the target's vocabulary"
+                )
             draft_model = models.for_compute(other.model, device)
             if Path(args.draft).is_dir():
                 kernels.attach_from_export(draft_model, args.draft)
@@ -161,8 +206,9 @@ def _decode(args) -> None:
                 raise decode.DecodeError("--method draft needs --draft MODEL (same tokenizer) or --draft self-w4")
             proposer = draft
         elif args.method == "self-spec":
-            proposer = decode.DraftModel(decode.layer_subset(target, _draft_layers(args, target, tokenizer, device)),
-                                         args.threshold, sampling)
+            proposer = decode.DraftModel(
+                decode.layer_subset(target, _draft_layers(args, target, tokenizer, device)), args.threshold, sampling
+            )
         else:
             cost = decode.default_token_cost(target) if args.token_cost == "auto" else args.token_cost
             store = Datastore.load(args.datastore, tokenizer_fingerprint(tokenizer)) if args.datastore else None
@@ -177,9 +223,12 @@ def _decode(args) -> None:
     how = "compiling" if compiling and target.compiled.built else "loading the compiled step"
     where = "engine" + (f", compiled ({how} took {compiling:.0f} s, not counted)" if compiling else "")
     seconds = max(result.seconds - compiling, 1e-9)
-    print(f"\n[{args.method}: {len(result.tokens)} tokens in {seconds:.2f} s, "
-          f"{len(result.tokens) / seconds:.1f} tokens/s, {result.tokens_per_forward:.2f} tokens per "
-          f"target forward, on {device}, {where}]", file=sys.stderr)
+    print(
+        f"\n[{args.method}: {len(result.tokens)} tokens in {seconds:.2f} s, "
+        f"{len(result.tokens) / seconds:.1f} tokens/s, {result.tokens_per_forward:.2f} tokens per "
+        f"target forward, on {device}, {where}]",
+        file=sys.stderr,
+    )
 
 
 def _draft_layers(args, model, tokenizer, device) -> list[int]:
@@ -195,11 +244,15 @@ def _draft_layers(args, model, tokenizer, device) -> list[int]:
         print(f"[self-spec: drafting with layers {_ranges(keep)}, saved with {args.model}]", file=sys.stderr)
         return keep
     ids, _ = calibration_batches(model, tokenizer, "wikitext2", 2, 64, seed=0)
-    keep, trials = decode.search_layers(model, [row.unsqueeze(0).to(device) for row in ids], k=args.k,
-                                        threshold=args.threshold)
+    keep, trials = decode.search_layers(
+        model, [row.unsqueeze(0).to(device) for row in ids], k=args.k, threshold=args.threshold
+    )
     for t in trials:
-        print(f"[self-spec search: {len(t['layers'])}/{count} layers {_ranges(t['layers'])}: "
-              f"{t['tokens_per_s']:.1f} tokens/s, {t['tokens_per_forward']:.2f} tokens per forward]", file=sys.stderr)
+        print(
+            f"[self-spec search: {len(t['layers'])}/{count} layers {_ranges(t['layers'])}: "
+            f"{t['tokens_per_s']:.1f} tokens/s, {t['tokens_per_forward']:.2f} tokens per forward]",
+            file=sys.stderr,
+        )
     saved = decode.save_layers(args.model, keep, trials)
     where = f"saved in {saved}" if saved else f"pass --layers {_ranges(keep)} to skip the search"
     print(f"[self-spec: drafting with layers {_ranges(keep)}; {where}]", file=sys.stderr)
@@ -209,9 +262,9 @@ def _draft_layers(args, model, tokenizer, device) -> list[int]:
 def _early_exit(args, model, target, tokenizer, prompt, eos):
     """Lossy: the threshold is calibrated (``auto``) on ``model`` for 90% top-1 agreement on
     calibration text; ``target`` (the engine over its weights) decodes, eager (exits are per token)."""
-    from .decode import early_exit
     from .arch import decoder_layers
     from .data import calibration_batches
+    from .decode import early_exit
 
     exits = early_exit.default_exits(len(decoder_layers(model)))
     threshold = args.exit_threshold
@@ -219,9 +272,12 @@ def _early_exit(args, model, target, tokenizer, prompt, eos):
         ids, _ = calibration_batches(model, tokenizer, "wikitext2", 2, 256, seed=0)
         found = early_exit.calibrate(model, ids, exits, args.exit_measure, target=0.9)
         threshold = found["threshold"]
-        print(f"[early exit: {args.exit_measure} threshold {threshold:.3f} at layers {exits} keeps "
-              f"{found['agreement']:.1%} top-1 agreement on calibration text, {found['mean_layers']:.1f} layers per "
-              "token on average]", file=sys.stderr)
+        print(
+            f"[early exit: {args.exit_measure} threshold {threshold:.3f} at layers {exits} keeps "
+            f"{found['agreement']:.1%} top-1 agreement on calibration text, {found['mean_layers']:.1f} layers per "
+            "token on average]",
+            file=sys.stderr,
+        )
     result = early_exit.early_exit_greedy(target, prompt, args.max_new_tokens, threshold, exits, args.exit_measure, eos)
     print(f"[early exit: {result.extra['mean_layers']:.1f} layers per token]", file=sys.stderr)
     return result
@@ -229,6 +285,7 @@ def _early_exit(args, model, target, tokenizer, prompt, eos):
 
 def _whole(least: int):
     """An argparse type: a whole number of at least ``least`` (0 never means "the default")."""
+
     def parse(text: str) -> int:
         try:
             n = int(text)
@@ -243,6 +300,7 @@ def _whole(least: int):
 
 def _number(low: float, high: float = math.inf, low_open: bool = False, auto: bool = False):
     """An argparse type: a number in [low, high] (``low_open``: (low, high]); ``auto`` allowed if said."""
+
     def parse(text: str) -> float | str:
         if auto and text == "auto":
             return text
@@ -306,8 +364,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("apply", help="run a recipe: compress, export, evaluate")
     p.add_argument("recipe", help="a recipe file, or the name of a shipped one (see `compress recipes`)")
-    p.add_argument("--model", help=f"alias (smollm2-135m, gemma3-270m), local HF folder or hub id "
-                                    f"(default: the recipe's, else {DEFAULT_MODEL})")
+    p.add_argument(
+        "--model",
+        help=f"alias (smollm2-135m, gemma3-270m), local HF folder or hub id "
+        f"(default: the recipe's, else {DEFAULT_MODEL})",
+    )
     p.add_argument("--output", help="output folder (default: out/<recipe>-<model>)")
     p.add_argument("--seed", type=_whole(0), help="overrides the recipe's seed")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -316,13 +377,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", type=_whole(2), help="evaluation window length (overrides the recipe)")
     p.add_argument("--no-eval", action="store_true", help="skip evaluation")
     p.add_argument("--max-shard-mb", type=_whole(1), help="largest safetensors shard of the export (default 2048)")
-    p.add_argument("--spill", metavar="DIR", help="keep calibration activations in files under DIR instead of "
-                                                  "RAM (many samples of a big model; the plan prints their size)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue a killed run of the same command: the blocks it finished (kept in .OUTPUT.resume "
-                        "beside the output until the export is in place) are read back, not compressed again")
-    p.add_argument("--no-checkpoints", action="store_true",
-                   help="do not keep finished blocks beside the output (saves that disk space; no --resume)")
+    p.add_argument(
+        "--spill",
+        metavar="DIR",
+        help="keep calibration activations in files under DIR instead of "
+        "RAM (many samples of a big model; the plan prints their size)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue a killed run of the same command: the blocks it finished (kept in .OUTPUT.resume "
+        "beside the output until the export is in place) are read back, not compressed again",
+    )
+    p.add_argument(
+        "--no-checkpoints",
+        action="store_true",
+        help="do not keep finished blocks beside the output (saves that disk space; no --resume)",
+    )
     common(p)
     p.set_defaults(func=_apply)
 
@@ -331,59 +402,90 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ppl", default="wikitext2", help="wikitext2, c4, pile-val or a .txt/.jsonl file")
     p.add_argument("--windows", type=_whole(1), default=40)
     p.add_argument("--seqlen", type=_whole(2), default=2048)
-    p.add_argument("--reference", help="uncompressed model to compare against (default: the export's base "
-                                       "model; 'none' to skip)")
-    p.add_argument("--write-report", action="store_true",
-                   help="write the result into the export's report.json (an `apply --no-eval` export)")
+    p.add_argument(
+        "--reference", help="uncompressed model to compare against (default: the export's base model; 'none' to skip)"
+    )
+    p.add_argument(
+        "--write-report",
+        action="store_true",
+        help="write the result into the export's report.json (an `apply --no-eval` export)",
+    )
     common(p)
     p.set_defaults(func=_eval)
 
     p = sub.add_parser("decode", help="generate from a model or export; greedy or speculative")
     p.add_argument("model", help="exported folder, local HF folder or alias")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--method", choices=["greedy", "prompt-lookup", "draft", "self-spec", "lookahead", "early-exit"],
-                   help="default: prompt-lookup. All but early-exit are lossless: greedy output, or the target's "
-                        "sampling distribution (lookahead on CUDA: not exact)")
-    p.add_argument("--layers", default="auto", help="self-spec: the layers that draft, e.g. 0-11 or 0-14,16,18 "
-                                                    "(default auto: searched for speed on two calibration prompts)")
-    p.add_argument("--draft", help="draft model for --method draft (e.g. a compressed export of the same model), or "
-                                    "self-w4: the target's linears rounded to 4 bits in memory, on the int4 kernel; "
-                                    "with --method prompt-lookup it drafts where lookup finds no match")
-    p.add_argument("--exit-threshold", type=_number(0, 1, low_open=True, auto=True), default="auto",
-                   help="early-exit: confidence needed to leave early (auto: calibrated for 90%% top-1 agreement)")
+    p.add_argument(
+        "--method",
+        choices=["greedy", "prompt-lookup", "draft", "self-spec", "lookahead", "early-exit"],
+        help="default: prompt-lookup. All but early-exit are lossless: greedy output, or the target's "
+        "sampling distribution (lookahead on CUDA: not exact)",
+    )
+    p.add_argument(
+        "--layers",
+        default="auto",
+        help="self-spec: the layers that draft, e.g. 0-11 or 0-14,16,18 "
+        "(default auto: searched for speed on two calibration prompts)",
+    )
+    p.add_argument(
+        "--draft",
+        help="draft model for --method draft (e.g. a compressed export of the same model), or "
+        "self-w4: the target's linears rounded to 4 bits in memory, on the int4 kernel; "
+        "with --method prompt-lookup it drafts where lookup finds no match",
+    )
+    p.add_argument(
+        "--exit-threshold",
+        type=_number(0, 1, low_open=True, auto=True),
+        default="auto",
+        help="early-exit: confidence needed to leave early (auto: calibrated for 90%% top-1 agreement)",
+    )
     p.add_argument("--exit-measure", choices=["softmax", "saturation"], default="softmax")
-    p.add_argument("--window", type=_whole(1), default=3,
-                   help="lookahead: Jacobi window width W (paper: 15 on GPUs)")
+    p.add_argument("--window", type=_whole(1), default=3, help="lookahead: Jacobi window width W (paper: 15 on GPUs)")
     p.add_argument("--ngram", type=_whole(2), default=3, help="lookahead: n-gram size N (paper: 5)")
-    p.add_argument("--guesses", type=_whole(1), default=5,
-                   help="lookahead: pool candidates verified per step G (paper: 15)")
+    p.add_argument(
+        "--guesses", type=_whole(1), default=5, help="lookahead: pool candidates verified per step G (paper: 15)"
+    )
     p.add_argument("--k", type=_whole(1), default=8, help="most candidates verified per target forward")
-    p.add_argument("--threshold", type=_number(0, 1), default=0.4,
-                   help="draft model: stop drafting below this probability")
-    p.add_argument("--token-cost", type=_number(0, auto=True), default="auto",
-                   help="prompt-lookup: what one more token costs in a target forward, as a share of a one-token "
-                        "forward; fewer candidates are sent the dearer they are (auto: 0.05 on a CPU, 0 on a GPU or "
-                        "with --compile; "
-                        "0 sends every match in full)")
-    p.add_argument("--datastore", metavar="FILE.json",
-                   help="prompt-lookup: also copy from the model's outputs on earlier requests kept in this file "
-                        "(created if missing; this output is added to it)")
+    p.add_argument(
+        "--threshold", type=_number(0, 1), default=0.4, help="draft model: stop drafting below this probability"
+    )
+    p.add_argument(
+        "--token-cost",
+        type=_number(0, auto=True),
+        default="auto",
+        help="prompt-lookup: what one more token costs in a target forward, as a share of a one-token "
+        "forward; fewer candidates are sent the dearer they are (auto: 0.05 on a CPU, 0 on a GPU or "
+        "with --compile; "
+        "0 sends every match in full)",
+    )
+    p.add_argument(
+        "--datastore",
+        metavar="FILE.json",
+        help="prompt-lookup: also copy from the model's outputs on earlier requests kept in this file "
+        "(created if missing; this output is added to it)",
+    )
     p.add_argument("--max-new-tokens", type=_whole(1), default=128)
     p.add_argument("--temperature", type=_number(0), default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=_number(0, 1, low_open=True), default=1.0)
     p.add_argument("--seed", type=_whole(0), default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
-    p.add_argument("--kernel", choices=["auto", "dense", "fp32", "fp32-onednn", "bf16", "bf16-avx2", "int8", "int4",
-                                        "int4-avx2"],
-                   default="auto",
-                   help="auto: each linear group runs on the fastest format measured here among those that hold "
-                        "its weights exactly (fp32, bf16, int8 for per-channel W8, int4 for W4 exports, our own "
-                        "bf16-avx2 and int4-avx2 kernels on AVX2 CPUs; W8A8 exports on torch._int_mm); dense: fp32 "
-                        "matmuls; a format: used wherever it is exact")
-    p.add_argument("--compile", action="store_true",
-                   help="compile the engine's steps (one token, and verify steps of up to 8) with AOTInductor: a "
-                        "minute or more the first time; the compiled step is kept under $COMPRESS_CACHE/engine "
-                        "(about 1.4x the model's bf16 size) and later runs load it in seconds")
+    p.add_argument(
+        "--kernel",
+        choices=["auto", "dense", "fp32", "fp32-onednn", "bf16", "bf16-avx2", "int8", "int4", "int4-avx2"],
+        default="auto",
+        help="auto: each linear group runs on the fastest format measured here among those that hold "
+        "its weights exactly (fp32, bf16, int8 for per-channel W8, int4 for W4 exports, our own "
+        "bf16-avx2 and int4-avx2 kernels on AVX2 CPUs; W8A8 exports on torch._int_mm); dense: fp32 "
+        "matmuls; a format: used wherever it is exact",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the engine's steps (one token, and verify steps of up to 8) with AOTInductor: a "
+        "minute or more the first time; the compiled step is kept under $COMPRESS_CACHE/engine "
+        "(about 1.4x the model's bf16 size) and later runs load it in seconds",
+    )
     common(p)
     p.set_defaults(func=_decode)
 
@@ -412,8 +514,10 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "debug", False):
             raise
         first = (str(e).splitlines() or [""])[0][:300]
-        print(f"compress: error: unexpected {type(e).__name__}: {first} (run with --debug for the traceback)",
-              file=sys.stderr)
+        print(
+            f"compress: error: unexpected {type(e).__name__}: {first} (run with --debug for the traceback)",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

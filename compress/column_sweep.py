@@ -31,9 +31,19 @@ class SweepResult:
 
 
 @torch.no_grad()
-def obs_sweep(weight: torch.Tensor, H: torch.Tensor, name: str, *, scheme: QuantScheme | None = None,
-              dtype: torch.dtype = torch.float32, prune: Pattern | None = None, mask: torch.Tensor | None = None,
-              percdamp: float = 0.01, blocksize: int = 128, actorder: bool = False) -> SweepResult:
+def obs_sweep(
+    weight: torch.Tensor,
+    H: torch.Tensor,
+    name: str,
+    *,
+    scheme: QuantScheme | None = None,
+    dtype: torch.dtype = torch.float32,
+    prune: Pattern | None = None,
+    mask: torch.Tensor | None = None,
+    percdamp: float = 0.01,
+    blocksize: int = 128,
+    actorder: bool = False,
+) -> SweepResult:
     """Round (``scheme``) and/or prune (``prune``, or a fixed ``mask``) ``weight`` column by column.
 
     ``dtype`` is the storage dtype scales are rounded to. With ``actorder`` columns go in
@@ -104,7 +114,7 @@ def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool):
     only after the caller has transformed the groups before it, so it sees their compressed
     outputs; without, one forward observes every group of the block.
     """
-    for stage in ([[g] for g in groups] if true_sequential else [groups]):
+    for stage in [[g] for g in groups] if true_sequential else [groups]:
         # Later stages change only later linears, so o_proj's and down_proj's inputs stay valid:
         # the next stages (and the block's final forward) rebuild attention and MLP outputs from them.
         stats = data.observe(stage, Hessian, replay_after=true_sequential)

@@ -91,9 +91,7 @@ def load_text(source: str, split: str = "test") -> str:
     path = Path(source).expanduser()
     if path.suffix in (".txt", ".raw", ".tokens", ".jsonl") and path.exists():
         return _read_file(path)
-    raise DataError(
-        f"unknown text source {source!r}: use one of {', '.join(NAMED)}, or an existing .txt/.jsonl file"
-    )
+    raise DataError(f"unknown text source {source!r}: use one of {', '.join(NAMED)}, or an existing .txt/.jsonl file")
 
 
 def describe_source(source: str, split: str) -> str:
@@ -114,19 +112,30 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return f"{len(tokenizer)}-{probe}"
 
 
-def calibration_batches(model, tokenizer, source: str, samples: int, seqlen: int, seed: int) -> tuple[torch.Tensor, str]:
+def calibration_batches(
+    model, tokenizer, source: str, samples: int, seqlen: int, seed: int
+) -> tuple[torch.Tensor, str]:
     """``samples`` × ``seqlen`` token ids, deterministic for ``seed``, cached on disk.
 
     Random windows of the tokenized text (GPTQ's protocol), or text the model
     samples itself when ``source`` is ``self``. Returns ids and a description.
     """
     key = hashlib.sha256(
-        json.dumps([source, samples, seqlen, seed, tokenizer_fingerprint(tokenizer),
-                    getattr(model.config, "_name_or_path", "")]).encode()
+        json.dumps(
+            [
+                source,
+                samples,
+                seqlen,
+                seed,
+                tokenizer_fingerprint(tokenizer),
+                getattr(model.config, "_name_or_path", ""),
+            ]
+        ).encode()
     ).hexdigest()[:16]
     cached = cache_dir() / "calibration" / f"{key}.safetensors"
-    what = f"{samples} × {seqlen} tokens from " + ("the model itself (data-free)" if source == SELF
-                                                  else describe_source(source, "validation"))
+    what = f"{samples} × {seqlen} tokens from " + (
+        "the model itself (data-free)" if source == SELF else describe_source(source, "validation")
+    )
     if cached.exists():
         return load_file(cached)["ids"], what
     if source == SELF:
@@ -157,7 +166,13 @@ def _self_generated(model, tokenizer, samples: int, seqlen: int, seed: int, batc
         n = min(batch, samples - start)
         first = torch.randint(0, len(tokenizer), (n, 1), generator=g)
         torch.manual_seed(seed + start)
-        ids = model.generate(first.to(device), do_sample=True, top_k=50, max_new_tokens=seqlen - 1,
-                             min_new_tokens=seqlen - 1, pad_token_id=tokenizer.eos_token_id)
+        ids = model.generate(
+            first.to(device),
+            do_sample=True,
+            top_k=50,
+            max_new_tokens=seqlen - 1,
+            min_new_tokens=seqlen - 1,
+            pad_token_id=tokenizer.eos_token_id,
+        )
         out.append(ids[:, :seqlen].cpu())
     return torch.cat(out)

@@ -67,8 +67,9 @@ class _Score:
 
 
 @torch.no_grad()
-def final_hidden(model: StreamedModel, data: torch.Tensor, device: torch.device,
-                 progress: bool = True, desc: str = "evaluating") -> list[torch.Tensor]:
+def final_hidden(
+    model: StreamedModel, data: torch.Tensor, device: torch.device, progress: bool = True, desc: str = "evaluating"
+) -> list[torch.Tensor]:
     """Each window's hidden states after the final norm (positions that predict a token), computed
     block by block over all windows: one block of the model is in memory at a time."""
     dtype = compute_dtype(device, model.dtype)
@@ -96,8 +97,9 @@ def _score(data: torch.Tensor, hidden: dict[str, list[torch.Tensor]], heads: dic
         targets = window[1:]
         chunk = max(1, (1 << 26) // max(vocab for _, vocab in heads.values()))
         for start in range(0, len(targets), chunk):  # a window's logits are ~400 MB: a chunk at a time
-            logps = {name: torch.log_softmax(heads[name][0](h[w][start : start + chunk]), -1)
-                     for name, h in hidden.items()}
+            logps = {
+                name: torch.log_softmax(heads[name][0](h[w][start : start + chunk]), -1) for name, h in hidden.items()
+            }
             ref = logps.get(_REF)
             for name, logp in logps.items():
                 sc = scores[name]
@@ -124,9 +126,17 @@ def _head_for_compute(model, device: torch.device):
 
 
 @torch.no_grad()
-def evaluate_many(models: dict, tokenizer, source: str = "wikitext2", seqlen: int = 2048, windows: int = 40,
-                  reference=None, progress: bool = True, data: torch.Tensor | None = None,
-                  device: torch.device | None = None) -> dict[str, EvalResult]:
+def evaluate_many(
+    models: dict,
+    tokenizer,
+    source: str = "wikitext2",
+    seqlen: int = 2048,
+    windows: int = 40,
+    reference=None,
+    progress: bool = True,
+    data: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> dict[str, EvalResult]:
     """Score several models on the same windows.
 
     Models are ``StreamedModel``s (read a block at a time) or whole transformers models; each
@@ -142,8 +152,10 @@ def evaluate_many(models: dict, tokenizer, source: str = "wikitext2", seqlen: in
     if device is None:
         device = next(iter(everyone.values())).model.get_input_embeddings().weight.device
     scores = {name: _Score() for name in everyone}
-    hidden = {name: final_hidden(m, data, device, progress, f"evaluating {'reference' if name == _REF else name}")
-              for name, m in everyone.items()}
+    hidden = {
+        name: final_hidden(m, data, device, progress, f"evaluating {'reference' if name == _REF else name}")
+        for name, m in everyone.items()
+    }
     heads = {name: _head(m.model) for name, m in everyone.items()}
     with contextlib.ExitStack() as stack:
         for m in everyone.values():
@@ -157,17 +169,27 @@ def evaluate_many(models: dict, tokenizer, source: str = "wikitext2", seqlen: in
         if reference is None:
             out[name] = EvalResult(protocol, math.exp(sc.nll / sc.count))
         else:
-            out[name] = EvalResult(protocol, math.exp(sc.nll / sc.count), ref_ppl, sc.kl / sc.count,
-                                   sc.agree / sc.count)
+            out[name] = EvalResult(
+                protocol, math.exp(sc.nll / sc.count), ref_ppl, sc.kl / sc.count, sc.agree / sc.count
+            )
     return out
 
 
 _REF = "\0reference"
 
 
-def evaluate(model, tokenizer, source: str = "wikitext2", seqlen: int = 2048, windows: int = 40,
-             reference=None, progress: bool = True, data: torch.Tensor | None = None,
-             device: torch.device | None = None) -> EvalResult:
+def evaluate(
+    model,
+    tokenizer,
+    source: str = "wikitext2",
+    seqlen: int = 2048,
+    windows: int = 40,
+    reference=None,
+    progress: bool = True,
+    data: torch.Tensor | None = None,
+    device: torch.device | None = None,
+) -> EvalResult:
     """``data`` (windows × seqlen ids from ``windows_of``) may be prepared early to fail before compute."""
-    return evaluate_many({"model": model}, tokenizer, source, seqlen, windows, reference, progress, data,
-                         device)["model"]
+    return evaluate_many({"model": model}, tokenizer, source, seqlen, windows, reference, progress, data, device)[
+        "model"
+    ]

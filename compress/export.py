@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import kv_quant, factored
+from . import factored, kv_quant
 from .quant import ActivationScheme, QuantizedWeight, QuantScheme, input_quant_of, quantized_of
 from .sparsity import prune_mask_of
 
@@ -39,7 +39,9 @@ def _ct_args(scheme: QuantScheme):
     from compressed_tensors.quantization import QuantizationArgs
 
     return QuantizationArgs(
-        num_bits=scheme.bits, type="int", symmetric=scheme.symmetric,
+        num_bits=scheme.bits,
+        type="int",
+        symmetric=scheme.symmetric,
         strategy="channel" if scheme.group_size == -1 else "group",
         group_size=None if scheme.group_size == -1 else scheme.group_size,
     )
@@ -48,8 +50,13 @@ def _ct_args(scheme: QuantScheme):
 def _activation_args(scheme: ActivationScheme):
     from compressed_tensors.quantization import QuantizationArgs
 
-    return QuantizationArgs(num_bits=scheme.bits, type="int", symmetric=True, dynamic=True,
-                            strategy="token" if scheme.per_token else "tensor")
+    return QuantizationArgs(
+        num_bits=scheme.bits,
+        type="int",
+        symmetric=True,
+        dynamic=True,
+        strategy="token" if scheme.per_token else "tensor",
+    )
 
 
 def _int8_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
@@ -73,8 +80,9 @@ def _packed_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     return out
 
 
-def quantization_config(linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None],
-                        fmt: str) -> dict | None:
+def quantization_config(
+    linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None], fmt: str
+) -> dict | None:
     """compressed-tensors config: one group per distinct scheme, every other linear ignored.
     ``linears`` maps each linear's name to its (weight, input) schemes, None when dense."""
     import compressed_tensors
@@ -88,23 +96,40 @@ def quantization_config(linears: dict[str, tuple[QuantScheme, ActivationScheme |
         return None
     single = len(by_scheme) == 1
     groups = {
-        f"group_{i}": QuantizationScheme(targets=["Linear"] if single else names, weights=_ct_args(scheme),
-                                         input_activations=_activation_args(act) if act else None)
+        f"group_{i}": QuantizationScheme(
+            targets=["Linear"] if single else names,
+            weights=_ct_args(scheme),
+            input_activations=_activation_args(act) if act else None,
+        )
         for i, ((scheme, act), names) in enumerate(by_scheme.items())
     }
     dense = [name for name, schemes in linears.items() if schemes is None]
-    config = QuantizationConfig(config_groups=groups, format=fmt, quantization_status="compressed",
-                                ignore=dense if single else [])
+    config = QuantizationConfig(
+        config_groups=groups, format=fmt, quantization_status="compressed", ignore=dense if single else []
+    )
     data = config.model_dump(exclude=["quant_method"])
-    data.update(quant_method="compressed-tensors", version=compressed_tensors.__version__, sparsity_config={},
-                transform_config={})
+    data.update(
+        quant_method="compressed-tensors",
+        version=compressed_tensors.__version__,
+        sparsity_config={},
+        transform_config={},
+    )
     return data
 
 
 # safetensors orders a file's tensors by dtype (this rank, descending), then by name
-_ST_DTYPES = {torch.bool: ("BOOL", 0), torch.uint8: ("U8", 4), torch.int8: ("I8", 5), torch.int16: ("I16", 9),
-              torch.float16: ("F16", 11), torch.bfloat16: ("BF16", 12), torch.int32: ("I32", 13),
-              torch.float32: ("F32", 15), torch.float64: ("F64", 17), torch.int64: ("I64", 18)}
+_ST_DTYPES = {
+    torch.bool: ("BOOL", 0),
+    torch.uint8: ("U8", 4),
+    torch.int8: ("I8", 5),
+    torch.int16: ("I16", 9),
+    torch.float16: ("F16", 11),
+    torch.bfloat16: ("BF16", 12),
+    torch.int32: ("I32", 13),
+    torch.float32: ("F32", 15),
+    torch.float64: ("F64", 17),
+    torch.int64: ("I64", 18),
+}
 
 
 class ShardWriter:
@@ -140,8 +165,11 @@ class ShardWriter:
         order = sorted(self.entries, key=lambda e: (-_ST_DTYPES[e[1]][1], e[0]))
         header, offset = {"__metadata__": {"format": "pt"}}, 0
         for key, dtype, shape, _, nbytes in order:
-            header[key] = {"dtype": _ST_DTYPES[dtype][0], "shape": list(shape),
-                           "data_offsets": [offset, offset + nbytes]}
+            header[key] = {
+                "dtype": _ST_DTYPES[dtype][0],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
             offset += nbytes
         text = json.dumps(header, separators=(",", ":")).encode()
         text += b" " * (-len(text) % 8)
@@ -171,7 +199,8 @@ class ShardWriter:
             names.append(name)
             index.update({k: name for k in keys})
         (self.folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": dict(sorted(index.items()))}, indent=2))
+            json.dumps({"metadata": {}, "weight_map": dict(sorted(index.items()))}, indent=2)
+        )
         return names
 
 
@@ -188,8 +217,16 @@ def _write_adapter(loras: dict[str, tuple[torch.Tensor, torch.Tensor]], folder: 
     ranks = {name: B.shape[1] for name, (B, _) in loras.items()}
     r = max(ranks.values())
     uneven = {n: k for n, k in ranks.items() if k != r}
-    config = LoraConfig(r=r, lora_alpha=r, target_modules=sorted(loras), lora_dropout=0.0, bias="none",
-                        task_type="CAUSAL_LM", rank_pattern=uneven, alpha_pattern=uneven)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=r,
+        target_modules=sorted(loras),
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        rank_pattern=uneven,
+        alpha_pattern=uneven,
+    )
     (folder / ADAPTER).mkdir()
     config.save_pretrained(folder / ADAPTER)
     tensors = {}
@@ -231,16 +268,20 @@ def check_output(out: Path, overwrite: bool, protected: tuple[Path, ...] = ()) -
         cwd, home = Path.cwd().resolve(), Path.home().resolve()
         if where == cwd or where in cwd.parents or where == home or out.is_symlink():
             what = "a link" if out.is_symlink() else "the current folder, a folder above it or the home folder"
-            raise ExportError(f"--output {out} is {what}; --overwrite replaces only an earlier export: "
-                              "choose another --output")
+            raise ExportError(
+                f"--output {out} is {what}; --overwrite replaces only an earlier export: choose another --output"
+            )
         for folder in protected:
             folder = Path(folder).resolve()
             if where == folder or where in folder.parents:
-                raise ExportError(f"--output {out} is or contains {folder}, an input of this run; "
-                                  "choose another --output")
+                raise ExportError(
+                    f"--output {out} is or contains {folder}, an input of this run; choose another --output"
+                )
         if not out.is_dir() or not (out / MANIFEST).is_file():
-            raise ExportError(f"--output {out} is not an export of compress (no {MANIFEST} in it); "
-                              "--overwrite replaces only an earlier export: choose another --output")
+            raise ExportError(
+                f"--output {out} is not an export of compress (no {MANIFEST} in it); "
+                "--overwrite replaces only an earlier export: choose another --output"
+            )
     parent = out.absolute().parent
     while not parent.exists():
         parent = parent.parent
@@ -282,7 +323,7 @@ def remove_leftovers(out: Path) -> list[Path]:
     their name (``.<name>.tmp-<pid>-…``, ``.<name>.old-<pid>-…``), and only when that process is gone."""
     removed = []
     for folder in sorted(out.parent.glob(f".{out.name}.*-*-*")) if out.parent.is_dir() else []:
-        kind, _, rest = folder.name[len(out.name) + 2:].partition("-")
+        kind, _, rest = folder.name[len(out.name) + 2 :].partition("-")
         pid = rest.partition("-")[0]
         if kind not in ("tmp", "old") or not pid.isdigit() or not folder.is_dir():
             continue
@@ -303,8 +344,13 @@ class Export:
     final (``add``), completed by ``finish`` (still in a temporary folder beside the target,
     where the caller adds the report) and ``publish`` (renamed into place); ``abort`` removes it."""
 
-    def __init__(self, out: str | Path, overwrite: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES,
-                 protected: tuple[Path, ...] = ()):
+    def __init__(
+        self,
+        out: str | Path,
+        overwrite: bool = False,
+        max_shard_bytes: int = MAX_SHARD_BYTES,
+        protected: tuple[Path, ...] = (),
+    ):
         self.out, self.overwrite = Path(out), overwrite
         check_output(self.out, overwrite, protected)
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -318,8 +364,9 @@ class Export:
         self.format: str | None = None  # pack-quantized, or int-quantized once a linear has int8 inputs
         self.totals = Totals()
 
-    def _tensors_of(self, module: torch.nn.Module, name: str, linear: torch.nn.Module,
-                    qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    def _tensors_of(
+        self, module: torch.nn.Module, name: str, linear: torch.nn.Module, qw: QuantizedWeight
+    ) -> dict[str, torch.Tensor]:
         """The format is the whole export's, decided by the first module with quantized linears
         (every block goes through the same passes): ``int-quantized`` when any of its linears has
         int8 inputs (W8A8), and then every quantized linear is stored as int8, as before streaming."""
@@ -328,26 +375,34 @@ class Export:
             self.format = "int-quantized" if w8a8 else "pack-quantized"
         act = input_quant_of(linear)
         if act is not None and qw.scheme.bits != 8:
-            raise ExportError(f"{name} has int8 activations but {qw.scheme.describe()} weights; "
-                              "W8A8 needs 8-bit weights on the same linears")
+            raise ExportError(
+                f"{name} has int8 activations but {qw.scheme.describe()} weights; "
+                "W8A8 needs 8-bit weights on the same linears"
+            )
         if act is not None and self.format != "int-quantized":
-            raise ExportError(f"{name} has int8 activations but the linears of an earlier block do not; "
-                              "W8A8 needs them in every block")
+            raise ExportError(
+                f"{name} has int8 activations but the linears of an earlier block do not; "
+                "W8A8 needs them in every block"
+            )
         return _int8_tensors(name, qw) if self.format == "int-quantized" else _packed_tensors(name, qw)
 
     def add(self, module: torch.nn.Module, prefix: str = "", skip: str | None = None) -> None:
         """Write ``module``'s tensors under ``prefix`` (quantized linears packed, tied tensors once),
         leaving out the submodule ``skip`` (the decoder blocks, written one by one)."""
-        name_of = {m: f"{prefix}{n}" for n, m in module.named_modules()
-                   if skip is None or not (n == skip or n.startswith(skip + "."))}
+        name_of = {
+            m: f"{prefix}{n}"
+            for n, m in module.named_modules()
+            if skip is None or not (n == skip or n.startswith(skip + "."))
+        }
         quantized = {}
         for m, name in name_of.items():
             if isinstance(m, torch.nn.Linear):
                 qw = quantized_of(m)
                 self.linears[name] = None if qw is None else (qw.scheme, input_quant_of(m))
                 if qw is None and input_quant_of(m) is not None:
-                    raise ExportError(f"{name} has int8 activations but dense weights; "
-                                      "W8A8 needs 8-bit weights on the same linears")
+                    raise ExportError(
+                        f"{name} has int8 activations but dense weights; W8A8 needs 8-bit weights on the same linears"
+                    )
                 if qw is not None:
                     quantized[name] = (m, qw)
                     n = qw.q.numel()
@@ -390,7 +445,7 @@ class Export:
                 config["quantization_config"] = qconfig
             config.pop(factored.CONFIG_KEY, None)
             if ranks := factored.factored_ranks(model):
-                config[factored.CONFIG_KEY] = ranks  # our loader (and docs/design.md's recipe) rebuild these layers
+                config[factored.CONFIG_KEY] = ranks  # our loader (and docs/formats.md's recipe) rebuild these layers
             config.pop(kv_quant.CONFIG_KEY, None)
             if (kv := kv_quant.scheme_of(model)) is not None:
                 config[kv_quant.CONFIG_KEY] = kv_quant.config_entry(kv)  # our evaluator and decoder read it
@@ -428,8 +483,15 @@ class Export:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def export(model, tokenizer, out: str | Path, recipe_text: str, manifest: dict, overwrite: bool = False,
-           max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+def export(
+    model,
+    tokenizer,
+    out: str | Path,
+    recipe_text: str,
+    manifest: dict,
+    overwrite: bool = False,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> Path:
     """A whole in-memory model through ``Export``: its blocks, then the rest."""
     from .arch import arch_of, decoder_layers
 
@@ -453,7 +515,10 @@ def add_evaluation(folder: Path, evaluation: dict) -> Path:
     report_path, manifest_path = folder / REPORT, folder / MANIFEST
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     manifest = json.loads(manifest_path.read_text())
-    for path, content in ((report_path, {**report, "eval": evaluation}), (manifest_path, {**manifest, "evaluated": True})):
+    for path, content in (
+        (report_path, {**report, "eval": evaluation}),
+        (manifest_path, {**manifest, "evaluated": True}),
+    ):
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         partial.write_text(json.dumps(content, indent=2))
         os.replace(partial, path)

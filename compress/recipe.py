@@ -13,7 +13,6 @@ evaluation: {ppl: wikitext2, seqlen: 2048, windows: 40}
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -33,7 +32,7 @@ class Calibration(_Strict):
 
 
 class Evaluation(_Strict):
-    ppl: Optional[str] = "wikitext2"
+    ppl: str | None = "wikitext2"
     seqlen: int = Field(2048, gt=1)
     windows: int = Field(40, gt=0)
     kl: bool = True  # KL divergence and top-1 agreement against the uncompressed model
@@ -86,7 +85,7 @@ def _parse_pass(i: int, entry) -> LayerPass:
     where = f"passes[{i}]"
     if not isinstance(entry, dict) or len(entry) != 1:
         raise RecipeError(f"{where}: each pass is a mapping with one key, the pass name, e.g. '- rtn: {{bits: 4}}'")
-    (name, options), = entry.items()
+    ((name, options),) = entry.items()
     if name not in REGISTRY:
         raise RecipeError(f"{where}: unknown pass {name!r}; known passes: {', '.join(sorted(REGISTRY))}")
     cls = REGISTRY[name]
@@ -113,7 +112,7 @@ def parse(text: str, name: str = "recipe") -> Recipe:
         raise RecipeError(_format(e)) from None
     passes = [_parse_pass(i, entry) for i, entry in enumerate(fields.passes)]
     for i, p in enumerate(passes):
-        if problem := p.order_problem(passes[:i], passes[i + 1:]):
+        if problem := p.order_problem(passes[:i], passes[i + 1 :]):
             raise RecipeError(f"{p.where}: {problem}")
     return Recipe(fields, passes, text, name)
 

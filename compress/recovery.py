@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import torch
 from torch import nn
@@ -67,8 +68,9 @@ class _Float(nn.Module):
 class _LoRA(nn.Module):
     """Adds ``B·A``; ``A`` is drawn as in peft (Kaiming uniform), ``B`` starts at zero."""
 
-    def __init__(self, out_features: int, in_features: int, rank: int, generator: torch.Generator,
-                 device: torch.device):
+    def __init__(
+        self, out_features: int, in_features: int, rank: int, generator: torch.Generator, device: torch.device
+    ):
         super().__init__()
         bound = 1 / math.sqrt(in_features)
         self.A = nn.Parameter((torch.rand(rank, in_features, generator=generator) * 2 - 1).mul_(bound).to(device))
@@ -85,8 +87,15 @@ def _is_norm(module: nn.Module) -> bool:
 class Trainables:
     """The chosen tensors of ``linears`` (name -> linear) and of the norms inside ``root``."""
 
-    def __init__(self, root: nn.Module, linears: dict[str, nn.Linear], train: list[str], storage: torch.dtype,
-                 rank: int = 16, seed: int = 0):
+    def __init__(
+        self,
+        root: nn.Module,
+        linears: dict[str, nn.Linear],
+        train: list[str],
+        storage: torch.dtype,
+        rank: int = 16,
+        seed: int = 0,
+    ):
         self.storage = storage
         self.touched: list[tuple[nn.Module, torch.dtype]] = []
         self.groups: dict[str, list[nn.Parameter]] = {"scales": [], "norms": [], "weights": [], "lora": []}
@@ -126,8 +135,7 @@ class Trainables:
         return any(self.groups.values())
 
     def param_groups(self, lr: float, weight_lr: float) -> list[dict]:
-        return [{"params": ps, "lr": weight_lr if kind == "weights" else lr}
-                for kind, ps in self.groups.items() if ps]
+        return [{"params": ps, "lr": weight_lr if kind == "weights" else lr} for kind, ps in self.groups.items() if ps]
 
     @torch.no_grad()
     def finish(self) -> None:
@@ -154,8 +162,15 @@ class Trainables:
                 module.lora = lora
 
 
-def train(trainables: Trainables, loss_of: Callable[[int], torch.Tensor], steps: int, lr: float, weight_lr: float,
-          desc: str, progress: bool = True) -> dict:
+def train(
+    trainables: Trainables,
+    loss_of: Callable[[int], torch.Tensor],
+    steps: int,
+    lr: float,
+    weight_lr: float,
+    desc: str,
+    progress: bool = True,
+) -> dict:
     """AdamW with cosine decay; ``loss_of(step)`` builds one step's loss.
 
     Returns the mean loss of the first and last tenth of the steps (single steps are noisy)
@@ -176,5 +191,9 @@ def train(trainables: Trainables, loss_of: Callable[[int], torch.Tensor], steps:
             losses.append(loss.item())
             bar.set_postfix(loss=f"{losses[-1]:.4g}")
     tenth = max(1, steps // 10)
-    return {"steps": steps, "loss_first": sum(losses[:tenth]) / tenth, "loss_last": sum(losses[-tenth:]) / tenth,
-            "seconds": time.perf_counter() - start}
+    return {
+        "steps": steps,
+        "loss_first": sum(losses[:tenth]) / tenth,
+        "loss_last": sum(losses[-tenth:]) / tenth,
+        "seconds": time.perf_counter() - start,
+    }

@@ -36,8 +36,9 @@ def load(folders: list[str | Path]) -> list[dict]:
         except FileNotFoundError:
             raise ReportError(f"{folder} has no {REPORT}: give folders written by `compress apply`") from None
         except (OSError, ValueError) as e:
-            raise ReportError(f"could not read {path} ({type(e).__name__}): re-run the export or leave it "
-                              "out") from None
+            raise ReportError(
+                f"could not read {path} ({type(e).__name__}): re-run the export or leave it out"
+            ) from None
         record = {k: v for k, v in report.items() if k not in ("eval", "training")}
         records.append(record | (report.get("eval") or {}) | {"folder": str(folder)})
     return sorted(records, key=lambda r: (r.get("bits_per_weight") or 99, r.get("size_mb") or 0))
@@ -61,13 +62,32 @@ def _cell(value, digits: int = 3) -> str:
 
 
 def table(records: list[dict]) -> str:
-    head = ["recipe", "method", "bits/weight", "size MB", "perplexity", "original's", "KL", "top-1", "compress s",
-            "peak RSS GB"]
+    head = [
+        "recipe",
+        "method",
+        "bits/weight",
+        "size MB",
+        "perplexity",
+        "original's",
+        "KL",
+        "top-1",
+        "compress s",
+        "peak RSS GB",
+    ]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
-        cells = [r.get("recipe"), r.get("method"), _cell(r.get("bits_per_weight"), 2), _cell(r.get("size_mb"), 1),
-                 _cell(r.get("ppl")), _cell(r.get("ref_ppl")), _cell(r.get("kl"), 4), _cell(r.get("top1")),
-                 _cell(r.get("compress_s"), 0), _cell(r.get("peak_rss_gb"), 2)]
+        cells = [
+            r.get("recipe"),
+            r.get("method"),
+            _cell(r.get("bits_per_weight"), 2),
+            _cell(r.get("size_mb"), 1),
+            _cell(r.get("ppl")),
+            _cell(r.get("ref_ppl")),
+            _cell(r.get("kl"), 4),
+            _cell(r.get("top1")),
+            _cell(r.get("compress_s"), 0),
+            _cell(r.get("peak_rss_gb"), 2),
+        ]
         rows.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
     return "\n".join(rows)
 
@@ -85,8 +105,11 @@ def _plot(records: list[dict], file: str, out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     x_key, y_key, x_label, y_label, log_y = PLOTS[file]
-    points = [(r[x_key], r[y_key], r.get("recipe") or Path(r["folder"]).name) for r in records
-              if r.get(x_key) is not None and r.get(y_key) is not None]
+    points = [
+        (r[x_key], r[y_key], r.get("recipe") or Path(r["folder"]).name)
+        for r in records
+        if r.get(x_key) is not None and r.get(y_key) is not None
+    ]
     if not points:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
@@ -153,8 +176,14 @@ def write(folders: list[str | Path], out: str | Path) -> tuple[list[Path], str]:
     written = []
     if matplotlib is not None:
         written += [p for p in [_plot(records, file, out) for file in PLOTS] + [_plot_times(records, out)] if p]
-    lines = ["# Compression report", "", f"Exports: {len(records)}. Evaluation: {'; '.join(protocols) or 'none'}.",
-             "", table(records), ""]
+    lines = [
+        "# Compression report",
+        "",
+        f"Exports: {len(records)}. Evaluation: {'; '.join(protocols) or 'none'}.",
+        "",
+        table(records),
+        "",
+    ]
     lines += [f"![{p.stem}]({p.name})" for p in written] + ([""] if written else [])
     if note:
         lines += [f"Note: {note}.", ""]

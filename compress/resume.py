@@ -26,10 +26,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .kv_quant import KVScheme
 from .factored import Factored
-from .quant import (ActivationScheme, QuantizedWeight, QuantScheme, attach, dequantize, input_quant_of,
-                    quantize_inputs, quantized_of)
+from .kv_quant import KVScheme
+from .quant import (
+    ActivationScheme,
+    QuantizedWeight,
+    QuantScheme,
+    attach,
+    dequantize,
+    input_quant_of,
+    quantize_inputs,
+    quantized_of,
+)
 from .sparsity import prune_mask_of
 
 STATE = "state.json"
@@ -55,21 +63,27 @@ class BlockCheckpoints:
         state = self._state()
         if state is None:
             if resume:
-                print(f"[compress] --resume: no interrupted run of {out} to continue; starting from the first block",
-                      file=sys.stderr)
+                print(
+                    f"[compress] --resume: no interrupted run of {out} to continue; starting from the first block",
+                    file=sys.stderr,
+                )
             return
         if not resume:
             self.remove()
-            print(f"[compress] removed {self.folder} ({state['blocks']} blocks of an interrupted run; "
-                  "--resume would have continued from them)", file=sys.stderr)
+            print(
+                f"[compress] removed {self.folder} ({state['blocks']} blocks of an interrupted run; "
+                "--resume would have continued from them)",
+                file=sys.stderr,
+            )
             return
         if state["key"] != key:
             changed = sorted(k for k in key.keys() | state["key"].keys() if key.get(k) != state["key"].get(k))
-            raise ResumeError(f"--resume: the interrupted run in {self.folder} had another {', '.join(changed)}; "
-                              "rerun it as it was, or drop --resume to start over (that removes it)")
+            raise ResumeError(
+                f"--resume: the interrupted run in {self.folder} had another {', '.join(changed)}; "
+                "rerun it as it was, or drop --resume to start over (that removes it)"
+            )
         self.resumable, self.logs = state["blocks"], state.get("logs", {})
-        print(f"[compress] --resume: reading {self.resumable} finished blocks back from {self.folder}",
-              file=sys.stderr)
+        print(f"[compress] --resume: reading {self.resumable} finished blocks back from {self.folder}", file=sys.stderr)
 
     def _state(self) -> dict | None:
         path = self.folder / STATE
@@ -124,8 +138,11 @@ def block_state(block: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
             meta["factored"][name] = [m[0].in_features, m[1].out_features, m.rank, m[1].bias is not None]
         if (qw := quantized_of(m)) is not None:
             meta["quantized"][name] = asdict(qw.scheme)
-            tensors |= {f"quantized/{name}/q": qw.q, f"quantized/{name}/scale": qw.scale,
-                        f"quantized/{name}/zero_point": qw.zero_point}
+            tensors |= {
+                f"quantized/{name}/q": qw.q,
+                f"quantized/{name}/scale": qw.scale,
+                f"quantized/{name}/zero_point": qw.zero_point,
+            }
             if torch.equal(m.weight, dequantize(qw.q, qw.scale, qw.zero_point, qw.scale.dtype).to(m.weight)):
                 meta["rebuilt"].append(f"{name}.weight")
         if (act := input_quant_of(m)) is not None:
@@ -149,14 +166,22 @@ def restore_block_state(block: torch.nn.Module, tensors: dict[str, torch.Tensor]
         parent, _, leaf = name.rpartition(".")
         setattr(block.get_submodule(parent) if parent else block, leaf, Factored.empty(n, m, rank, bias, dtype))
     for name, scheme in meta["quantized"].items():
-        attach(block.get_submodule(name), QuantizedWeight(QuantScheme(**scheme), tensors[f"quantized/{name}/q"],
-                                                          tensors[f"quantized/{name}/scale"],
-                                                          tensors[f"quantized/{name}/zero_point"]))
+        attach(
+            block.get_submodule(name),
+            QuantizedWeight(
+                QuantScheme(**scheme),
+                tensors[f"quantized/{name}/q"],
+                tensors[f"quantized/{name}/scale"],
+                tensors[f"quantized/{name}/zero_point"],
+            ),
+        )
     state = {k.removeprefix("state/"): t for k, t in tensors.items() if k.startswith("state/")}
     result = block.load_state_dict(state, strict=False)
     if result.unexpected_keys or sorted(result.missing_keys) != sorted(meta["rebuilt"]):
-        raise ResumeError(f"a kept block does not fit this model (unexpected {result.unexpected_keys[:3]}, "
-                          f"missing {sorted(set(result.missing_keys) - set(meta['rebuilt']))[:3]})")
+        raise ResumeError(
+            f"a kept block does not fit this model (unexpected {result.unexpected_keys[:3]}, "
+            f"missing {sorted(set(result.missing_keys) - set(meta['rebuilt']))[:3]})"
+        )
     for name, scheme in meta["input_quant"].items():
         quantize_inputs(block.get_submodule(name), ActivationScheme(**scheme))
     for name, scheme in meta["kv_scheme"].items():

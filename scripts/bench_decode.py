@@ -45,8 +45,16 @@ from pathlib import Path
 import torch
 
 from compress import data, kv_quant, models
-from compress.decode import DraftModel, LookupThenDraft, PromptLookup, default_token_cost, greedy, speculate
-from compress.decode import early_exit, kernels
+from compress.decode import (
+    DraftModel,
+    LookupThenDraft,
+    PromptLookup,
+    default_token_cost,
+    early_exit,
+    greedy,
+    kernels,
+    speculate,
+)
 from compress.decode.engine import Engine
 from compress.decode.lookahead import lookahead
 from compress.decode.loop import sync
@@ -69,8 +77,9 @@ ISA = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", 
 
 
 def chat(tokenizer, text: str) -> torch.Tensor:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
 
 
 def prompts(tokenizer) -> dict[str, list[torch.Tensor]]:
@@ -99,12 +108,16 @@ def datastore(path: str, model, tokenizer, new_tokens: int, eos: set[int], devic
 
 
 def machine() -> str:
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
     flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (f"{cpu} ({' '.join(f for f in ISA if f in flags) or 'no AVX2'}), {torch.get_num_threads()} threads, "
-            f"{gpu}, torch {torch.__version__}")
+    return (
+        f"{cpu} ({' '.join(f for f in ISA if f in flags) or 'no AVX2'}), {torch.get_num_threads()} threads, "
+        f"{gpu}, torch {torch.__version__}"
+    )
 
 
 def read_bandwidth(device: torch.device, megabytes: int = 512) -> float:
@@ -122,7 +135,7 @@ def read_bandwidth(device: torch.device, megabytes: int = 512) -> float:
 def run_hf(model, prompt, new_tokens, **kwargs):
     start = time.perf_counter()
     out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, **kwargs)
-    return out[0, prompt.shape[1]:].tolist(), time.perf_counter() - start, None
+    return out[0, prompt.shape[1] :].tolist(), time.perf_counter() - start, None
 
 
 def ours(result):
@@ -140,8 +153,12 @@ def main() -> None:
     parser.add_argument("--w8a8", help="a W8A8 export (of smoothquant-w8a8)")
     parser.add_argument("--kivi", help="an export with a KIVI cache (of kv-int4)")
     parser.add_argument("--exit-layer", type=int, default=8)
-    parser.add_argument("--only", nargs="*", help="run only the rows whose name contains one of these words "
-                                                  "(the transformers eager rows always run: they are the references)")
+    parser.add_argument(
+        "--only",
+        nargs="*",
+        help="run only the rows whose name contains one of these words "
+        "(the transformers eager rows always run: they are the references)",
+    )
     parser.add_argument("--skip", nargs="*", default=[], help="skip the rows whose name contains one of these words")
     args = parser.parse_args()
 
@@ -156,8 +173,10 @@ def main() -> None:
     base = hf_bf16 if cuda else hf_fp32
     reference_name = f"transformers eager greedy, {'bf16' if cuda else 'fp32'}"
     eos = set(tokenizer.convert_tokens_to_ids([tokenizer.eos_token])) | set(
-        [hf_bf16.generation_config.eos_token_id] if isinstance(hf_bf16.generation_config.eos_token_id, int)
-        else hf_bf16.generation_config.eos_token_id or [])
+        [hf_bf16.generation_config.eos_token_id]
+        if isinstance(hf_bf16.generation_config.eos_token_id, int)
+        else hf_bf16.generation_config.eos_token_id or []
+    )
     n = args.new_tokens
     bandwidth = read_bandwidth(device)
     print(f"command: python {shlex.join(sys.argv)}")
@@ -191,16 +210,20 @@ def main() -> None:
             cost = default_token_cost(engine)
             w4_draft = Engine(model, quantize="w4", max_len=1024) if "draft" in method else None
             draft = lambda: DraftModel(w4_draft, 0.4)  # noqa: E731
-            run = {"greedy": lambda p: ours(greedy(engine, p, n, eos)),
-                   "lookup": lambda p: ours(speculate(engine, p, n, PromptLookup(token_cost=cost), 10, eos=eos)),
-                   "draft": lambda p: ours(speculate(engine, p, n, draft(), 6, eos=eos)),
-                   "lookup+draft": lambda p: ours(speculate(engine, p, n, LookupThenDraft(
-                       PromptLookup(token_cost=cost), draft()), 8, eos=eos)),
-                   "lookahead": lambda p: ours(lookahead(engine, p, n, 3, 3, 4, eos=eos))}[method]
+            run = {
+                "greedy": lambda p: ours(greedy(engine, p, n, eos)),
+                "lookup": lambda p: ours(speculate(engine, p, n, PromptLookup(token_cost=cost), 10, eos=eos)),
+                "draft": lambda p: ours(speculate(engine, p, n, draft(), 6, eos=eos)),
+                "lookup+draft": lambda p: ours(
+                    speculate(engine, p, n, LookupThenDraft(PromptLookup(token_cost=cost), draft()), 8, eos=eos)
+                ),
+                "lookahead": lambda p: ours(lookahead(engine, p, n, 3, 3, 4, eos=eos)),
+            }[method]
             compiled = engine.compile_seconds or ("failed: ran eager" if kw.get("compile") and not cuda else None)
             if compiled and engine.compiled is not None and engine.compiled.built is False:
                 compiled = f"{compiled:.0f} (loaded)"
             return run, engine.weight_bytes(), compiled
+
         return setup
 
     def hf_static_compiled():
@@ -250,8 +273,11 @@ def main() -> None:
         calibration, _ = data.calibration_batches(base, tokenizer, "wikitext2", 2, 256, seed=0)
         threshold = early_exit.calibrate(base, calibration, exits, target=0.9)["threshold"]
         engine = shared_engine(base, graphs=False) if cuda else shared_engine(base)  # exits run eager
-        return (lambda p: ours(early_exit.early_exit_greedy(engine, p, n, threshold, exits, eos=eos))), \
-            engine.weight_bytes(), None
+        return (
+            (lambda p: ours(early_exit.early_exit_greedy(engine, p, n, threshold, exits, eos=eos))),
+            engine.weight_bytes(),
+            None,
+        )
 
     rows["ours early exit (lossy), eager"] = early_exit_row
     if args.kivi:
@@ -266,10 +292,21 @@ def main() -> None:
     except ImportError:
         pass
 
-    sets_ = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()
-             if name in args.sets}
-    head = ["prompts", "method", "tokens/s", f"× {reference_name.removesuffix(' greedy')}", "tokens/forward",
-            "= transformers bf16 greedy", "= ours greedy (same engine)", "compile s", "weights MB/token", "of read bandwidth"]
+    sets_ = {
+        name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items() if name in args.sets
+    }
+    head = [
+        "prompts",
+        "method",
+        "tokens/s",
+        f"× {reference_name.removesuffix(' greedy')}",
+        "tokens/forward",
+        "= transformers bf16 greedy",
+        "= ours greedy (same engine)",
+        "compile s",
+        "weights MB/token",
+        "of read bandwidth",
+    ]
     built = {}
     for name, setup in rows.items():
         if name.startswith("transformers eager") or name == ours_name or wanted(name):
@@ -304,14 +341,30 @@ def main() -> None:
             ours_greedy = outputs.get("ours greedy, compiled" if name.endswith(", compiled") else ours_name)
             tokens = sum(map(len, outputs[name]))
             rate = tokens / seconds[name]
-            same, same_ours = (f"{sum(a == b for a, b in zip(outputs[name], ref))}/{len(ps)}" if ref else ""
-                               for ref in (reference, ours_greedy))  # empty where --only left the row out
+            same, same_ours = (
+                f"{sum(a == b for a, b in zip(outputs[name], ref))}/{len(ps)}" if ref else ""
+                for ref in (reference, ours_greedy)
+            )  # empty where --only left the row out
             traffic = f"{bytes_per_token * rate / 1e9 / bandwidth:.0%}" if bandwidth and bytes_per_token else ""
-            print("| " + " | ".join([set_name, name, f"{rate:.1f}", f"{rate / reference_rate:.2f}×",
-                                     f"{tokens / forwards[name]:.2f}" if forwards[name] else "", same, same_ours,
-                                     f"{compile_s:.0f}" if isinstance(compile_s, float) else compile_s or "",
-                                     f"{bytes_per_token / 1e6:.0f}" if bytes_per_token else "", traffic]) + " |",
-                  flush=True)
+            print(
+                "| "
+                + " | ".join(
+                    [
+                        set_name,
+                        name,
+                        f"{rate:.1f}",
+                        f"{rate / reference_rate:.2f}×",
+                        f"{tokens / forwards[name]:.2f}" if forwards[name] else "",
+                        same,
+                        same_ours,
+                        f"{compile_s:.0f}" if isinstance(compile_s, float) else compile_s or "",
+                        f"{bytes_per_token / 1e6:.0f}" if bytes_per_token else "",
+                        traffic,
+                    ]
+                )
+                + " |",
+                flush=True,
+            )
 
 
 def why(e: Exception) -> str:
@@ -338,14 +391,18 @@ for line in sys.stdin:
 
 def llama_cpp_row(alias: str, n: int):
     """llama.cpp decoding the bundled GGUF (SmolLM2's Q4_1) on this CPU, greedy, same token ids."""
+
     def setup():
         import subprocess
 
         folder, name = models.bundled_gguf(alias)
         path = Path(folder) / name
-        worker = subprocess.Popen([sys.executable, "-c", LLAMA_CPP_WORKER, str(path), str(n),
-                                   str(torch.get_num_threads())], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  text=True)
+        worker = subprocess.Popen(
+            [sys.executable, "-c", LLAMA_CPP_WORKER, str(path), str(n), str(torch.get_num_threads())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
 
         def run(prompt):
             worker.stdin.write(json.dumps(prompt[0].tolist()) + "\n")
@@ -357,6 +414,7 @@ def llama_cpp_row(alias: str, n: int):
             return out, seconds, None
 
         return run, Path(path).stat().st_size, None
+
     return setup
 
 

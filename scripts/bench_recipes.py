@@ -37,8 +37,21 @@ def machine() -> str:
 def compress(recipe: str, model: str, args, out: Path) -> dict | None:
     if args.reuse and (out / "report.json").exists():  # compressed by an earlier run into --keep
         return json.loads((out / "report.json").read_text())
-    cmd = [sys.executable, "-m", "compress.cli", "apply", recipe, "--model", model, "--output", str(out),
-           "--overwrite", "--no-eval", "--dtype", args.dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "compress.cli",
+        "apply",
+        recipe,
+        "--model",
+        model,
+        "--output",
+        str(out),
+        "--overwrite",
+        "--no-eval",
+        "--dtype",
+        args.dtype,
+    ]
     if args.samples:
         cmd += ["--samples", str(args.samples)]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -87,11 +100,18 @@ def main() -> None:
     parser.add_argument("--keep", help="keep the exports in this folder (default: a temporary one)")
     parser.add_argument("--json", help="also write the raw reports here")
     parser.add_argument("--no-kl", action="store_true", help="skip the dense reference (no KL, top-1 or dense row)")
-    parser.add_argument("--reuse", action="store_true", help="with --keep: score exports already there instead of "
-                                                             "compressing them again")
-    parser.add_argument("--report", metavar="DIR", help="with --keep: also write each export's score into its "
-                                                       "report.json, and `compress report`'s table and plots "
-                                                       "into DIR/<model>")
+    parser.add_argument(
+        "--reuse",
+        action="store_true",
+        help="with --keep: score exports already there instead of compressing them again",
+    )
+    parser.add_argument(
+        "--report",
+        metavar="DIR",
+        help="with --keep: also write each export's score into its "
+        "report.json, and `compress report`'s table and plots "
+        "into DIR/<model>",
+    )
     args = parser.parse_args()
     if (args.reuse or args.report) and not args.keep:
         parser.error("--reuse and --report need --keep DIR (where the exports are kept)")
@@ -102,8 +122,10 @@ def main() -> None:
 
     device = models.pick_device(args.device)
     computed = models.compute_dtype(device, models.parse_dtype(args.dtype))
-    print(f"protocol: wikitext-2-raw test, {args.windows} windows × {args.seqlen} tokens, stored {args.dtype}, "
-          f"computed in {str(computed).removeprefix('torch.')} on {device.type}\n")
+    print(
+        f"protocol: wikitext-2-raw test, {args.windows} windows × {args.seqlen} tokens, stored {args.dtype}, "
+        f"computed in {str(computed).removeprefix('torch.')} on {device.type}\n"
+    )
     rows, raw = [], []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(args.keep or tmp)
@@ -124,23 +146,52 @@ def main() -> None:
                 files, note = report.write([r["output"] for r in reports], Path(args.report) / model)
                 print(f"report: {files[0]}" + (f" ({note})" if note else ""), file=sys.stderr, flush=True)
             if not args.no_kl:
-                rows.append([model, "dense", "16", "", "", "", "", f"{reports[0]['eval']['ref_ppl']:.3f}", "0", "1.000",
-                             "", ""])
+                rows.append(
+                    [model, "dense", "16", "", "", "", "", f"{reports[0]['eval']['ref_ppl']:.3f}", "0", "1.000", "", ""]
+                )
             for r in reports:
                 e = r["eval"]
-                rows.append([model, r["method"], fmt(r["bits_per_weight"], ".2f"), fmt(r.get("sparsity"), ".1%"),
-                             fmt(r.get("params_kept"), ".1%"), fmt(r.get("kv_bytes_per_token"), ",.0f"),
-                             f"{r['size_mb']:.1f}", f"{e['ppl']:.3f}", fmt(e['kl'], ".4f"), fmt(e['top1'], ".3f"),
-                             f"{r['compress_s']:.1f}", f"{r['peak_rss_gb']:.2f}"])
-    head = ["model", "method", "bits/w", "sparsity", "params kept", "KV B/token", "size MB", "ppl", "KL", "top-1", "compress s", "peak RSS GB"]
+                rows.append(
+                    [
+                        model,
+                        r["method"],
+                        fmt(r["bits_per_weight"], ".2f"),
+                        fmt(r.get("sparsity"), ".1%"),
+                        fmt(r.get("params_kept"), ".1%"),
+                        fmt(r.get("kv_bytes_per_token"), ",.0f"),
+                        f"{r['size_mb']:.1f}",
+                        f"{e['ppl']:.3f}",
+                        fmt(e["kl"], ".4f"),
+                        fmt(e["top1"], ".3f"),
+                        f"{r['compress_s']:.1f}",
+                        f"{r['peak_rss_gb']:.2f}",
+                    ]
+                )
+    head = [
+        "model",
+        "method",
+        "bits/w",
+        "sparsity",
+        "params kept",
+        "KV B/token",
+        "size MB",
+        "ppl",
+        "KL",
+        "top-1",
+        "compress s",
+        "peak RSS GB",
+    ]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows:
         print("| " + " | ".join(row) + " |")
     print()
     for r in raw:
-        extra = "".join(f"; {where}: loss {log['loss_first']:.4g} -> {log['loss_last']:.4g}"
-                        for where, log in r.get("training", {}).items() if "loss_first" in log)
+        extra = "".join(
+            f"; {where}: loss {log['loss_first']:.4g} -> {log['loss_last']:.4g}"
+            for where, log in r.get("training", {}).items()
+            if "loss_first" in log
+        )
         print(f"{r['recipe']}: calibration {r['calibration']}{extra}")
     if args.json:
         Path(args.json).write_text(json.dumps(raw, indent=2))

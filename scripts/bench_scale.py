@@ -31,8 +31,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-SHAPES = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
-              vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0, tie_word_embeddings=False)
+SHAPES = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
 
 
 def cpu_header() -> str:
@@ -51,8 +59,15 @@ def cpu_header() -> str:
 def _layer(i: int, g: torch.Generator) -> dict[str, torch.Tensor]:
     h, m = SHAPES["hidden_size"], SHAPES["intermediate_size"]
     kv = h // SHAPES["num_attention_heads"] * SHAPES["num_key_value_heads"]
-    shapes = {"self_attn.q_proj": (h, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-              "self_attn.o_proj": (h, h), "mlp.gate_proj": (m, h), "mlp.up_proj": (m, h), "mlp.down_proj": (h, m)}
+    shapes = {
+        "self_attn.q_proj": (h, h),
+        "self_attn.k_proj": (kv, h),
+        "self_attn.v_proj": (kv, h),
+        "self_attn.o_proj": (h, h),
+        "mlp.gate_proj": (m, h),
+        "mlp.up_proj": (m, h),
+        "mlp.down_proj": (h, m),
+    }
     out = {f"model.layers.{i}.{n}.weight": (torch.randn(s, generator=g) * 0.02).bfloat16() for n, s in shapes.items()}
     for norm in ("input_layernorm", "post_attention_layernorm"):
         out[f"model.layers.{i}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
@@ -67,10 +82,15 @@ def write_shards(root: Path, layers: int) -> Path:
     rest = shards / "rest.safetensors"
     if not rest.exists():
         v, h = SHAPES["vocab_size"], SHAPES["hidden_size"]
-        save_file({"model.embed_tokens.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16(),
-                   "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-                   "lm_head.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16()},
-                  rest, metadata={"format": "pt"})
+        save_file(
+            {
+                "model.embed_tokens.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16(),
+                "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+                "lm_head.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16(),
+            },
+            rest,
+            metadata={"format": "pt"},
+        )
     for i in range(layers):
         path = shards / f"layer-{i:03d}.safetensors"
         if not path.exists():
@@ -125,8 +145,9 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--samples", type=int, default=4, help="calibration samples of the data recipe")
     ap.add_argument("--data-recipe", default="gptq-w4", help="the recipe with calibration run on --gptq-layers")
-    ap.add_argument("--spill", type=Path, help="run the data recipe without evaluation, in RAM and with --spill "
-                                                "in this folder")
+    ap.add_argument(
+        "--spill", type=Path, help="run the data recipe without evaluation, in RAM and with --spill in this folder"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the exports (they are removed after each row)")
     args = ap.parse_args()
 
@@ -134,10 +155,14 @@ def main() -> None:
 
     print(f"# bench_scale: {' '.join(sys.argv)}")
     print(f"# {cpu_header()}; {date.today()}")
-    print(f"# rows: apply = compress, export and evaluate ({args.windows} x {args.seqlen} tokens against the "
-          "original); eval = `compress eval` of the export alone, same windows")
-    print("| layers | params (B) | checkpoint GB | recipe | apply peak RSS GB | plan GB | apply s | "
-          "eval peak RSS GB | eval s |")
+    print(
+        f"# rows: apply = compress, export and evaluate ({args.windows} x {args.seqlen} tokens against the "
+        "original); eval = `compress eval` of the export alone, same windows"
+    )
+    print(
+        "| layers | params (B) | checkpoint GB | recipe | apply peak RSS GB | plan GB | apply s | "
+        "eval peak RSS GB | eval s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
     shards = write_shards(args.root, max(args.layers))
     tokenizer_from = models.resolve("smollm2-135m")
@@ -155,17 +180,37 @@ def main() -> None:
             rows += [(args.data_recipe, calibrate), (args.data_recipe, calibrate + ["--spill", str(args.spill)])]
         for recipe, extra in rows:
             out = args.root / f"out-{recipe}-{layers}L"
-            cmd = compress_cli + ["apply", recipe, "--model", str(folder), "--output", str(out), "--overwrite",
-                                  "--windows", str(args.windows), "--seqlen", str(args.seqlen), "--device", "cpu",
-                                  *extra]
+            cmd = compress_cli + [
+                "apply",
+                recipe,
+                "--model",
+                str(folder),
+                "--output",
+                str(out),
+                "--overwrite",
+                "--windows",
+                str(args.windows),
+                "--seqlen",
+                str(args.seqlen),
+                "--device",
+                "cpu",
+                *extra,
+            ]
             rss, wall, log = run(cmd)
             plan = re.search(r"peak RAM ≈ ([\d.]+) GB", log)
-            e_rss, e_wall, _ = run(compress_cli + ["eval", str(out), "--windows", str(args.windows),
-                                                   "--seqlen", str(args.seqlen), "--device", "cpu"])
-            said = [f"{args.samples} samples"] + ["no eval"] * ("--no-eval" in extra) + ["spilled"] * ("--spill" in extra)
+            e_rss, e_wall, _ = run(
+                compress_cli
+                + ["eval", str(out), "--windows", str(args.windows), "--seqlen", str(args.seqlen), "--device", "cpu"]
+            )
+            said = (
+                [f"{args.samples} samples"] + ["no eval"] * ("--no-eval" in extra) + ["spilled"] * ("--spill" in extra)
+            )
             name = recipe + (f" ({', '.join(said)})" if extra else "")
-            print(f"| {layers} | {params:.2f} | {size:.1f} | {name} | {rss:.2f} | {plan.group(1) if plan else '?'} | "
-                  f"{wall:.0f} | {e_rss:.2f} | {e_wall:.0f} |", flush=True)
+            print(
+                f"| {layers} | {params:.2f} | {size:.1f} | {name} | {rss:.2f} | {plan.group(1) if plan else '?'} | "
+                f"{wall:.0f} | {e_rss:.2f} | {e_wall:.0f} |",
+                flush=True,
+            )
             if not args.keep:
                 shutil.rmtree(out)
 

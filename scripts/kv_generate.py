@@ -25,8 +25,9 @@ def prompt_ids(tokenizer, tokens: int) -> torch.Tensor:
     text = data.load_text("wikitext2", "test")
     passage = tokenizer.decode(data.tokenize(tokenizer, text)[2000 : 2000 + tokens])
     messages = [{"role": "user", "content": f"{passage}\n\nSummarise the text above in two sentences."}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                         return_dict=True)["input_ids"]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)[
+        "input_ids"
+    ]
 
 
 def main() -> None:
@@ -41,8 +42,10 @@ def main() -> None:
     ids = prompt_ids(tokenizer, args.prompt_tokens)
     dims = cache_dims(model.config)
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"model: {args.model}; prompt {ids.shape[1]} tokens; {args.new_tokens} new tokens, greedy; "
-          f"KV bytes per token for bf16 storage\n")
+    print(
+        f"model: {args.model}; prompt {ids.shape[1]} tokens; {args.new_tokens} new tokens, greedy; "
+        f"KV bytes per token for bf16 storage\n"
+    )
     print("| cache | KV bytes/token | same tokens as dense | s | output |")
     print("|---|---|---|---|---|")
     dense = None
@@ -52,7 +55,7 @@ def main() -> None:
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False, past_key_values=cache)
         seconds = time.perf_counter() - start
-        new = out[0, ids.shape[1]:]
+        new = out[0, ids.shape[1] :]
         dense = new if dense is None else dense
         same = next((i for i, (a, b) in enumerate(zip(new.tolist(), dense.tolist())) if a != b), len(new))
         size = dense_bytes_per_token(*dims) if scheme is None else scheme.bytes_per_token(*dims)

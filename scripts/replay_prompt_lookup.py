@@ -26,8 +26,7 @@ from bench_decode import datastore, machine, prompts  # this script's folder is 
 from transformers import DynamicCache
 
 from compress import models
-from compress.decode import kernels
-from compress.decode import PromptLookup, common_prefix, default_token_cost, greedy
+from compress.decode import PromptLookup, common_prefix, default_token_cost, greedy, kernels
 from compress.decode.loop import forward_logits
 
 WIDTHS = (1, 2, 3, 5, 9, 11, 17)
@@ -41,7 +40,7 @@ class Oracle:
         self.output, self.prompt_length, self.any_match, self.max_ngram = output, prompt_length, any_match, max_ngram
 
     def propose(self, context: list[int], k: int) -> tuple[list[int], None]:
-        truth = self.output[len(context) - self.prompt_length:]
+        truth = self.output[len(context) - self.prompt_length :]
         best = []
         for n in range(self.max_ngram, 0, -1):
             starts = [s for s in range(len(context) - n - 1, -1, -1) if context[s : s + n] == context[-n:]]
@@ -64,7 +63,7 @@ def replay(prompt: list[int], output: list[int], proposer, max_new_tokens: int, 
         room = min(k, max_new_tokens - len(tokens) - 1)
         candidates, _ = proposer.propose(context, room) if room > 0 else ([], None)
         widths.append(1 + len(candidates))
-        truth = output[len(tokens):]
+        truth = output[len(tokens) :]
         kept = candidates[: common_prefix(candidates, truth)]
         if any(t in eos for t in kept):
             break
@@ -106,8 +105,11 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per set")
-    parser.add_argument("--datastore", metavar="FILE.json", help="also replay prompt lookup with this datastore "
-                                                                 "(as bench_decode.py builds it)")
+    parser.add_argument(
+        "--datastore",
+        metavar="FILE.json",
+        help="also replay prompt lookup with this datastore (as bench_decode.py builds it)",
+    )
     args = parser.parse_args()
 
     device = models.pick_device("auto")
@@ -124,8 +126,11 @@ def main() -> None:
     cost = default_token_cost(model)
     print(f"command: python {' '.join(sys.argv)}")
     print(f"machine: {machine()}")
-    print("target forward, ms by width after a grounded prompt: "
-          + ", ".join(f"{w}: {ms:.1f}" for w, ms in cost_ms.items()) + "\n")
+    print(
+        "target forward, ms by width after a grounded prompt: "
+        + ", ".join(f"{w}: {ms:.1f}" for w, ms in cost_ms.items())
+        + "\n"
+    )
     print("| prompts | proposer | est. vs greedy | tokens/forward |\n|---|---|---|---|")
     for set_name, ps in sets.items():
         runs = []  # (prompt ids, greedy output, prefill ms)
@@ -137,8 +142,15 @@ def main() -> None:
         proposers = {
             "every match (ours, k=10)": lambda out, n: PromptLookup(),
             f"token cost {cost} (ours, k=10)": lambda out, n: PromptLookup(token_cost=cost),
-            **({f"token cost {cost} + datastore of {len(store)} (ours, k=10)":
-                lambda out, n: PromptLookup(token_cost=cost, store=store)} if store else {}),
+            **(
+                {
+                    f"token cost {cost} + datastore of {len(store)} (ours, k=10)": lambda out, n: PromptLookup(
+                        token_cost=cost, store=store
+                    )
+                }
+                if store
+                else {}
+            ),
             "oracle length (k=10)": lambda out, n: Oracle(out, n, any_match=False),
             "oracle match and length (k=10)": lambda out, n: Oracle(out, n, any_match=True),
         }

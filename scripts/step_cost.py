@@ -36,11 +36,15 @@ def main() -> None:
     parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--kernel", default="auto")
     parser.add_argument("--no-graphs", action="store_true", help="on a GPU, run the steps without CUDA graphs")
-    parser.add_argument("--step-rows", type=int, help="rows every graph or compiled step is padded to (the engine's step_rows)")
+    parser.add_argument(
+        "--step-rows", type=int, help="rows every graph or compiled step is padded to (the engine's step_rows)"
+    )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quantize", choices=["w4"], help="round the block linears to W4 in memory (lossy)")
     parser.add_argument("--lm-head", choices=["int4", "int8"], help="quantize lm_head for decoding (lossy)")
-    parser.add_argument("--compile", action="store_true", help="also the compiled engine's table, and its one-token step against eager")
+    parser.add_argument(
+        "--compile", action="store_true", help="also the compiled engine's table, and its one-token step against eager"
+    )
     args = parser.parse_args()
 
     device = models.pick_device("auto")
@@ -53,8 +57,10 @@ def main() -> None:
     engine = Engine(model, graphs=False if args.no_graphs else None, step_rows=args.step_rows, **options)
     print(f"command: python {shlex.join(sys.argv)}")
     print(f"machine: {machine()}")
-    print(f"engine: {engine.describe()}; stream {str(engine.dtype).removeprefix('torch.')}; "
-          f"CUDA graphs {'on' if engine.graphs else 'off'}; steps of {engine.step_rows} rows\n")
+    print(
+        f"engine: {engine.describe()}; stream {str(engine.dtype).removeprefix('torch.')}; "
+        f"CUDA graphs {'on' if engine.graphs else 'off'}; steps of {engine.step_rows} rows\n"
+    )
     table(engine, prompt, following, args)
     if args.compile:
         compare_compiled(engine, model, prompt, following, args)
@@ -62,8 +68,10 @@ def main() -> None:
 
 def table(engine: Engine, prompt: torch.Tensor, following: list[int], args) -> None:
     """One row per token count: ms of a k-token step, and whether it rounds as k one-token steps."""
-    print("| tokens k | ms per step (median) | ms per token | × one-token step | logits = k one-token steps | "
-          "max abs difference | argmax agrees |")
+    print(
+        "| tokens k | ms per step (median) | ms per token | × one-token step | logits = k one-token steps | "
+        "max abs difference | argmax agrees |"
+    )
     print("|---|---|---|---|---|---|---|", flush=True)
     one_token_ms = None
     for k in args.counts:
@@ -79,9 +87,14 @@ def table(engine: Engine, prompt: torch.Tensor, following: list[int], args) -> N
         ratio = f"{ms / one_token_ms:.2f}×" if one_token_ms else ""
         difference = (together - one_by_one).abs().max().item()
         agrees = (together.argmax(-1) == one_by_one.argmax(-1)).sum().item()
-        where = " (eager: longer than the compiled step)" if engine.compiled is not None and k > engine.step_rows else ""
-        print(f"| {k}{where} | {ms:.2f} | {ms / k:.2f} | {ratio} | "
-              f"{'yes' if torch.equal(together, one_by_one) else 'no'} | {difference:.2e} | {agrees}/{k} |", flush=True)
+        where = (
+            " (eager: longer than the compiled step)" if engine.compiled is not None and k > engine.step_rows else ""
+        )
+        print(
+            f"| {k}{where} | {ms:.2f} | {ms / k:.2f} | {ratio} | "
+            f"{'yes' if torch.equal(together, one_by_one) else 'no'} | {difference:.2e} | {agrees}/{k} |",
+            flush=True,
+        )
 
 
 def median_step_ms(engine: Engine, ids: list[int], repeats: int, device: torch.device) -> float:
@@ -106,8 +119,10 @@ def compare_compiled(eager: Engine, model, prompt: torch.Tensor, following: list
     if compiled.compiled is None:
         sys.exit(f"the compiled engine fell back to eager: {compiled.note}")
     how = "compiled" if compiled.compiled.built else "loaded its compiled package"
-    print(f"\ncompiled engine: {compiled.describe()}; stream {str(compiled.dtype).removeprefix('torch.')}; "
-          f"{compiled.step_rows}-token steps; {how} in {compiled.compile_seconds:.0f} s\n")
+    print(
+        f"\ncompiled engine: {compiled.describe()}; stream {str(compiled.dtype).removeprefix('torch.')}; "
+        f"{compiled.step_rows}-token steps; {how} in {compiled.compile_seconds:.0f} s\n"
+    )
     table(compiled, prompt, following, args)
     compiled.reset()
     compiled.forward(prompt, all_logits=False)
@@ -120,9 +135,12 @@ def compare_compiled(eager: Engine, model, prompt: torch.Tensor, following: list
         differences.append((expected - got).abs().max().item())
         agree += int(expected.argmax() == got.argmax())
         token = int(expected.argmax())
-    print(f"\none-token step: compiled {compiled_ms:.2f} ms, eager {eager_ms:.2f} ms ({eager_ms / compiled_ms:.2f}×); "
-          f"over 64 greedy steps the logits differ by at most {max(differences):.2f} "
-          f"(median {statistics.median(differences):.2f}), argmax agrees {agree}/64", flush=True)
+    print(
+        f"\none-token step: compiled {compiled_ms:.2f} ms, eager {eager_ms:.2f} ms ({eager_ms / compiled_ms:.2f}×); "
+        f"over 64 greedy steps the logits differ by at most {max(differences):.2f} "
+        f"(median {statistics.median(differences):.2f}), argmax agrees {agree}/64",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -9,8 +9,16 @@ import torch
 def tiny(model_type: str = "llama", hidden: int = 64, layers: int = 2):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    kw = dict(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=hidden // 4, vocab_size=128, max_position_embeddings=256)
+    kw = dict(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        vocab_size=128,
+        max_position_embeddings=256,
+    )
     if model_type == "gemma3_text":
         kw.update(sliding_window=8, layer_types=["sliding_attention", "full_attention"][:layers] * (layers // 2 or 1))
     config = AutoConfig.for_model(model_type, **kw)
@@ -67,8 +75,9 @@ def ppl(model, tokenizer, windows: int = 4, seqlen: int = 512) -> float:
     from compress.evaluate import evaluate
     from compress.models import for_compute
 
-    return evaluate(for_compute(model, torch.device("cpu")), tokenizer, seqlen=seqlen, windows=windows,
-                    progress=False).ppl
+    return evaluate(
+        for_compute(model, torch.device("cpu")), tokenizer, seqlen=seqlen, windows=windows, progress=False
+    ).ppl
 
 
 class _NoTokenizer:

@@ -10,11 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny
 
 from compress.cli import main
 from compress.export import MANIFEST
-
-from conftest import tiny
 
 RECIPE = "passes:\n  - rtn: {bits: 4, group_size: 32}\nevaluation: {windows: 1, seqlen: 32}\n"
 DATA_RECIPE = "passes:\n  - gptq: {{bits: 4, group_size: 32}}\ncalibration: {{source: {}, samples: 2, seqlen: 16}}\n"
@@ -115,40 +114,86 @@ CASES = {
     "recipe unknown pass": (lambda t, m: ["apply", _recipe(t, "passes:\n  - nosuch: {}\n")], "nosuch"),
     "recipe bad bits": (lambda t, m: ["apply", _recipe(t, "passes:\n  - rtn: {bits: 5}\n")], "bits"),
     "recipe unknown key": (lambda t, m: ["apply", _recipe(t, "passes:\n  - rtn: {bitz: 4}\n")], "bitz"),
-    "recipe python tag": (lambda t, m: ["apply", _recipe(t, "passes: !!python/object/apply:os.system ['true']\n")],
-                          "YAML"),
+    "recipe python tag": (
+        lambda t, m: ["apply", _recipe(t, "passes: !!python/object/apply:os.system ['true']\n")],
+        "YAML",
+    ),
     "recipe no passes": (lambda t, m: ["apply", _recipe(t, "seed: 1\n")], "passes"),
-    "recipe negative samples": (lambda t, m: ["apply", _recipe(t, RECIPE + "calibration: {samples: -1}\n")],
-                                "samples"),
+    "recipe negative samples": (lambda t, m: ["apply", _recipe(t, RECIPE + "calibration: {samples: -1}\n")], "samples"),
     "apply --device tpu": (lambda t, m: _apply(t, m, "--device", "tpu"), "--device tpu"),
     "apply --device cuda:7": (lambda t, m: _apply(t, m, "--device", "cuda:7"), "--device cuda:7"),
     "apply unknown flag": (lambda t, m: _apply(t, m, "--bits", "4"), "--bits"),
     # outputs
     "output exists": (lambda t, m: (_exporty(t), _apply(t, m))[1], "--overwrite"),
-    "overwrite a folder of notes": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"),
-                                                  "--output", _notes(t), "--overwrite"], "not an export"),
-    "overwrite the current folder": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"),
-                                                   "--output", ".", "--overwrite"], "current folder"),
-    "overwrite a folder above": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"),
-                                               "--output", "..", "--overwrite"], "above"),
-    "overwrite the home folder": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"),
-                                                "--output", str(Path.home()), "--overwrite"], "home"),
-    "overwrite the model folder": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(
-        _copy_model(m / "tiny", t / "model-copy")), "--output", str(t / "model-copy"), "--overwrite"], "input of this run"),
-    "overwrite an export holding the model": (lambda t, m: (
-        _copy_model(m / "tiny", t / "exp"), (t / "exp" / MANIFEST).write_text("{}"),
-        ["apply", _recipe(t, RECIPE), "--model", str(t / "exp"), "--output", str(t / "exp"), "--overwrite"])[-1],
-        "input of this run"),
-    "overwrite the recipe's folder": (lambda t, m: (
-        (t / "recipes").mkdir(), (t / "recipes" / MANIFEST).write_text("{}"),
-        ["apply", _recipe(t / "recipes", RECIPE), "--model", str(m / "tiny"), "--output", str(t / "recipes"),
-         "--overwrite"])[-1], "input of this run"),
-    "output parent is a file": (lambda t, m: ((t / "file").write_text("x"),
-                                              _apply(t, m)[:-1] + [str(t / "file" / "out")])[1], "is a file"),
-    "output is a file": (lambda t, m: ((t / "out").write_text("x"), _apply(t, m, "--overwrite"))[1],
-                         "not an export"),
-    "--spill is missing": (lambda t, m: _apply(t, m, "--spill", str(t / "nope"), recipe=DATA_RECIPE.format(
-        "wikitext2")), "--spill"),
+    "overwrite a folder of notes": (
+        lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"), "--output", _notes(t), "--overwrite"],
+        "not an export",
+    ),
+    "overwrite the current folder": (
+        lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"), "--output", ".", "--overwrite"],
+        "current folder",
+    ),
+    "overwrite a folder above": (
+        lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(m / "tiny"), "--output", "..", "--overwrite"],
+        "above",
+    ),
+    "overwrite the home folder": (
+        lambda t, m: [
+            "apply",
+            _recipe(t, RECIPE),
+            "--model",
+            str(m / "tiny"),
+            "--output",
+            str(Path.home()),
+            "--overwrite",
+        ],
+        "home",
+    ),
+    "overwrite the model folder": (
+        lambda t, m: [
+            "apply",
+            _recipe(t, RECIPE),
+            "--model",
+            str(_copy_model(m / "tiny", t / "model-copy")),
+            "--output",
+            str(t / "model-copy"),
+            "--overwrite",
+        ],
+        "input of this run",
+    ),
+    "overwrite an export holding the model": (
+        lambda t, m: (
+            _copy_model(m / "tiny", t / "exp"),
+            (t / "exp" / MANIFEST).write_text("{}"),
+            ["apply", _recipe(t, RECIPE), "--model", str(t / "exp"), "--output", str(t / "exp"), "--overwrite"],
+        )[-1],
+        "input of this run",
+    ),
+    "overwrite the recipe's folder": (
+        lambda t, m: (
+            (t / "recipes").mkdir(),
+            (t / "recipes" / MANIFEST).write_text("{}"),
+            [
+                "apply",
+                _recipe(t / "recipes", RECIPE),
+                "--model",
+                str(m / "tiny"),
+                "--output",
+                str(t / "recipes"),
+                "--overwrite",
+            ],
+        )[-1],
+        "input of this run",
+    ),
+    "output parent is a file": (
+        lambda t, m: ((t / "file").write_text("x"), _apply(t, m)[:-1] + [str(t / "file" / "out")])[1],
+        "is a file",
+    ),
+    "output is a file": (lambda t, m: ((t / "out").write_text("x"), _apply(t, m, "--overwrite"))[1], "not an export"),
+    "--spill is missing": (
+        lambda t, m: _apply(t, m, "--spill", str(t / "nope"), recipe=DATA_RECIPE.format("wikitext2")),
+        "--spill",
+    ),
     # models
     "model folder missing": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(t / "nope")], "nope"),
     "model truncated safetensors": (lambda t, m: _bad_model(t, m, _truncate), "model.safetensors"),
@@ -156,58 +201,96 @@ CASES = {
     "model with auto_map": (lambda t, m: _bad_model(t, m, _auto_map), "code"),
     "model pickle only": (lambda t, m: _bad_model(t, m, _pickle_only), "pickle"),
     "model without config": (lambda t, m: _bad_model(t, m, lambda f: (f / "config.json").unlink()), "config.json"),
-    "model config not JSON": (lambda t, m: _bad_model(t, m, lambda f: (f / "config.json").write_text("{")),
-                              "config.json"),
+    "model config not JSON": (
+        lambda t, m: _bad_model(t, m, lambda f: (f / "config.json").write_text("{")),
+        "config.json",
+    ),
     "model hub id offline": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", "nobody/nothing-9z"], "nobody"),
     # calibration and evaluation text
-    "calibration file missing": (lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(str(t / "none.txt"))),
-                                 "none.txt"),
-    "calibration text not UTF-8": (lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(
-        _data(t, "bin.txt", b"\xff\xfe" * 100))), "UTF-8"),
-    "calibration jsonl text not a string": (lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(
-        _data(t, "d.jsonl", '{"text": 5}\n'))), "text"),
-    "calibration jsonl not JSON": (lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(
-        _data(t, "e.jsonl", "not json\n"))), "jsonl"),
+    "calibration file missing": (lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(str(t / "none.txt"))), "none.txt"),
+    "calibration text not UTF-8": (
+        lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(_data(t, "bin.txt", b"\xff\xfe" * 100))),
+        "UTF-8",
+    ),
+    "calibration jsonl text not a string": (
+        lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(_data(t, "d.jsonl", '{"text": 5}\n'))),
+        "text",
+    ),
+    "calibration jsonl not JSON": (
+        lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(_data(t, "e.jsonl", "not json\n"))),
+        "jsonl",
+    ),
     "eval model missing": (lambda t, m: ["eval", str(t / "nope")], "nope"),
     "eval --ppl missing file": (lambda t, m: ["eval", str(m / "tiny"), "--ppl", str(t / "none.txt")], "none.txt"),
-    "eval --ppl not UTF-8": (lambda t, m: ["eval", str(m / "tiny"), "--ppl", _data(t, "b.txt", b"\xff" * 50)],
-                             "UTF-8"),
+    "eval --ppl not UTF-8": (lambda t, m: ["eval", str(m / "tiny"), "--ppl", _data(t, "b.txt", b"\xff" * 50)], "UTF-8"),
     "eval --reference missing": (lambda t, m: ["eval", str(m / "tiny"), "--reference", str(t / "ref")], "ref"),
-    "eval --write-report on a model, not an export": (lambda t, m: ["eval", str(m / "tiny"), "--write-report"],
-                                                      "tiny"),
+    "eval --write-report on a model, not an export": (lambda t, m: ["eval", str(m / "tiny"), "--write-report"], "tiny"),
     # decoding
     "decode --raw empty prompt": (lambda t, m: _decode(m, "--raw", prompt=""), "prompt"),
     "decode model missing": (lambda t, m: ["decode", str(t / "nope"), "--prompt", "hi"], "nope"),
     "decode draft missing": (lambda t, m: _decode(m, "--method", "draft", "--draft", str(t / "nope")), "nope"),
-    "decode draft of another vocabulary": (lambda t, m: _decode(m, "--method", "draft", "--draft",
-                                                                str(m / "other-vocab")), "vocabulary"),
-    "decode --layers out of range": (lambda t, m: _decode(m, "--method", "self-spec", "--layers", "0-99"),
-                                     "--layers"),
+    "decode draft of another vocabulary": (
+        lambda t, m: _decode(m, "--method", "draft", "--draft", str(m / "other-vocab")),
+        "vocabulary",
+    ),
+    "decode --layers out of range": (lambda t, m: _decode(m, "--method", "self-spec", "--layers", "0-99"), "--layers"),
     "decode prompt longer than the context": (lambda t, m: _decode(m, "--raw", prompt="word " * 400), "context"),
-    "decode --datastore is a folder": (lambda t, m: _decode(m, "--method", "prompt-lookup", "--datastore", str(t)),
-                                       "--datastore"),
-    "decode --datastore not JSON": (lambda t, m: _decode(m, "--method", "prompt-lookup", "--datastore",
-                                                         _data(t, "store.json", "{nope")), "store.json"),
+    "decode --datastore is a folder": (
+        lambda t, m: _decode(m, "--method", "prompt-lookup", "--datastore", str(t)),
+        "--datastore",
+    ),
+    "decode --datastore not JSON": (
+        lambda t, m: _decode(m, "--method", "prompt-lookup", "--datastore", _data(t, "store.json", "{nope")),
+        "store.json",
+    ),
 }
 
 # A flag given a value out of its range (or of the wrong kind): the error names the flag.
 BAD_FLAGS = {
-    "apply": [("--samples", "0"), ("--samples", "-3"), ("--samples", "abc"), ("--windows", "0"),
-              ("--windows", "-1"), ("--seqlen", "0"), ("--seqlen", "1"), ("--max-shard-mb", "0"),
-              ("--seed", "-1"), ("--dtype", "int8")],
+    "apply": [
+        ("--samples", "0"),
+        ("--samples", "-3"),
+        ("--samples", "abc"),
+        ("--windows", "0"),
+        ("--windows", "-1"),
+        ("--seqlen", "0"),
+        ("--seqlen", "1"),
+        ("--max-shard-mb", "0"),
+        ("--seed", "-1"),
+        ("--dtype", "int8"),
+    ],
     "eval": [("--windows", "0"), ("--windows", "-1"), ("--seqlen", "0"), ("--seqlen", "1"), ("--device", "tpu")],
-    "decode": [("--top-p", "0"), ("--top-p", "2"), ("--temperature", "-1"), ("--max-new-tokens", "-1"),
-               ("--max-new-tokens", "0"), ("--k", "-3"), ("--k", "0"), ("--threshold", "2"),
-               ("--exit-threshold", "0"), ("--token-cost", "-1"), ("--token-cost", "lots"), ("--window", "0"),
-               ("--ngram", "1"), ("--guesses", "0"), ("--seed", "-2"), ("--method", "nonsense"),
-               ("--kernel", "nonsense")],
+    "decode": [
+        ("--top-p", "0"),
+        ("--top-p", "2"),
+        ("--temperature", "-1"),
+        ("--max-new-tokens", "-1"),
+        ("--max-new-tokens", "0"),
+        ("--k", "-3"),
+        ("--k", "0"),
+        ("--threshold", "2"),
+        ("--exit-threshold", "0"),
+        ("--token-cost", "-1"),
+        ("--token-cost", "lots"),
+        ("--window", "0"),
+        ("--ngram", "1"),
+        ("--guesses", "0"),
+        ("--seed", "-2"),
+        ("--method", "nonsense"),
+        ("--kernel", "nonsense"),
+    ],
 }
-COMMANDS = {"apply": _apply, "eval": lambda t, m, *extra: ["eval", str(m / "tiny"), *extra],
-            "decode": lambda t, m, *extra: _decode(m, *extra)}
+COMMANDS = {
+    "apply": _apply,
+    "eval": lambda t, m, *extra: ["eval", str(m / "tiny"), *extra],
+    "decode": lambda t, m, *extra: _decode(m, *extra),
+}
 for _command, _pairs in BAD_FLAGS.items():
     for _flag, _value in _pairs:
         CASES[f"{_command} {_flag} {_value}"] = (
-            lambda t, m, c=_command, f=_flag, v=_value: COMMANDS[c](t, m, f, v), _flag)
+            lambda t, m, c=_command, f=_flag, v=_value: COMMANDS[c](t, m, f, v),
+            _flag,
+        )
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -257,9 +340,15 @@ def _mutations():
     from compress.recipe import RECIPES_DIR
 
     shipped = [yaml.safe_load(p.read_text()) for p in sorted(RECIPES_DIR.glob("*.yaml"))]
-    values = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True),
-                       st.text(max_size=8), st.lists(st.integers(-1, 9), max_size=3),
-                       st.dictionaries(st.text(max_size=5), st.integers(), max_size=2))
+    values = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-3, 300),
+        st.floats(allow_nan=True),
+        st.text(max_size=8),
+        st.lists(st.integers(-1, 9), max_size=3),
+        st.dictionaries(st.text(max_size=5), st.integers(), max_size=2),
+    )
 
     @st.composite
     def mutated(draw):
@@ -293,8 +382,7 @@ def test_mutated_recipes_give_a_clean_error_or_a_checked_plan():
 
     model = tiny("llama", hidden=64, layers=2)
 
-    @settings(max_examples=200, deadline=None, derandomize=True, database=None,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=200, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
     @given(_mutations())
     def check(recipe):
         try:

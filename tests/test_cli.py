@@ -13,8 +13,10 @@ def run(*args, cwd=None):
 
 def test_apply_exports_and_reports(tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("description: test\npasses:\n  - rtn: {bits: 8, group_size: -1}\n"
-                      "evaluation: {ppl: wikitext2, seqlen: 256, windows: 2}\n")
+    recipe.write_text(
+        "description: test\npasses:\n  - rtn: {bits: 8, group_size: -1}\n"
+        "evaluation: {ppl: wikitext2, seqlen: 256, windows: 2}\n"
+    )
     out = tmp_path / "out"
     result = run("apply", str(recipe), "--output", str(out))
     assert result.returncode == 0, result.stderr[-2000:]
@@ -45,18 +47,21 @@ def test_eval_fills_in_the_report_of_an_export_made_without_evaluation(tmp_path)
     report = json.loads((out / "report.json").read_text())
     assert f"perplexity: {report['eval']['ppl']:.4f}" in evaluated.stdout and report["eval"]["kl"] >= 0
     assert report["bits_per_weight"] > 8 and json.loads((out / "compress_manifest.json").read_text())["evaluated"]
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith("."))  == []  # no partial files left
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []  # no partial files left
     refused = run("eval", str(tmp_path), "--write-report")
     assert refused.returncode == 2 and "not an export of ours" in refused.stderr
 
 
-@pytest.mark.parametrize("body,message", [
-    ("passes:\n  - sparsify: {}\n", "unknown pass 'sparsify'"),
-    ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits"),
-    ("model: /nonexistent/model\npasses:\n  - rtn: {}\n", "no such folder"),
-    ("model: someone/not-a-local-model\npasses:\n  - rtn: {}\n", "pass a local Hugging Face folder"),
-    ("passes:\n  - rtn: {}\nevaluation: {ppl: /nonexistent/text.txt}\n", "unknown text source"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ("passes:\n  - sparsify: {}\n", "unknown pass 'sparsify'"),
+        ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits"),
+        ("model: /nonexistent/model\npasses:\n  - rtn: {}\n", "no such folder"),
+        ("model: someone/not-a-local-model\npasses:\n  - rtn: {}\n", "pass a local Hugging Face folder"),
+        ("passes:\n  - rtn: {}\nevaluation: {ppl: /nonexistent/text.txt}\n", "unknown text source"),
+    ],
+)
 def test_bad_recipe_exits_nonzero_with_one_line_and_writes_nothing(tmp_path, body, message):
     recipe = tmp_path / "bad.yaml"
     recipe.write_text(body)
@@ -90,8 +95,21 @@ def test_decode_prompt_lookup_prints_the_greedy_output():
     prompt = "Repeat after me: the quick brown fox jumps over the lazy dog."
     # one named kernel: ``auto`` keeps its timings per machine, but the first two processes on a
     # fresh machine may both time, and under load choose differently (fp32 against bf16 q/k/v)
-    runs = {method: run("decode", "smollm2-135m", "--prompt", prompt, "--method", method, "--max-new-tokens", "16",
-                        "--kernel", "bf16") for method in ("greedy", "prompt-lookup")}
+    runs = {
+        method: run(
+            "decode",
+            "smollm2-135m",
+            "--prompt",
+            prompt,
+            "--method",
+            method,
+            "--max-new-tokens",
+            "16",
+            "--kernel",
+            "bf16",
+        )
+        for method in ("greedy", "prompt-lookup")
+    }
     for result in runs.values():
         assert result.returncode == 0, result.stderr[-2000:]
     assert runs["greedy"].stdout.strip() and runs["greedy"].stdout == runs["prompt-lookup"].stdout  # lossless

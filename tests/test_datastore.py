@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from compress.decode.datastore import Datastore
 from compress.decode import DecodeError, PromptLookup, greedy, speculate
+from compress.decode.datastore import Datastore
 from tests.conftest import tiny
 from tests.test_decode import _prompt
 

@@ -20,8 +20,11 @@ def _prompt(length=40, seed=0):
 def _proposers(model):
     draft = copy.deepcopy(model)
     compress_with(draft, "  - rtn: {bits: 4, group_size: 32}\n")  # a compressed copy drafts for the original
-    return {"prompt lookup": PromptLookup(), "draft model": DraftModel(draft, threshold=0.0),
-            "cost-aware prompt lookup": PromptLookup(token_cost=0.05)}
+    return {
+        "prompt lookup": PromptLookup(),
+        "draft model": DraftModel(draft, threshold=0.0),
+        "cost-aware prompt lookup": PromptLookup(token_cost=0.05),
+    }
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -29,7 +32,7 @@ def test_greedy_speculation_is_token_identical_to_greedy(seed):
     model = tiny("llama")
     prompt = _prompt(seed=seed)
     plain = greedy(model, prompt, 40)
-    reference = model.generate(prompt, max_new_tokens=40, do_sample=False, min_new_tokens=40)[0, prompt.shape[1]:]
+    reference = model.generate(prompt, max_new_tokens=40, do_sample=False, min_new_tokens=40)[0, prompt.shape[1] :]
     assert plain.tokens == reference.tolist()
     for name, proposer in _proposers(model).items():
         result = speculate(model, prompt, 40, proposer, k=5)
@@ -145,8 +148,9 @@ def test_self_speculation_with_a_layer_subset_is_token_identical_and_leaves_the_
         assert result.proposed > 0
     assert len(model.model.layers) == 4 and greedy(model, prompt, 30).tokens == plain.tokens
     with torch.no_grad():  # all layers kept: the view is the model
-        torch.testing.assert_close(layer_subset(model, [0, 1, 2, 3])(prompt).logits, model(prompt).logits,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            layer_subset(model, [0, 1, 2, 3])(prompt).logits, model(prompt).logits, rtol=0, atol=0
+        )
     assert all(s[0] == 0 for s in candidate_subsets(30))
     best, trials = search_layers(model, [prompt], max_new_tokens=8)
     assert best in [t["layers"] for t in trials] and len(trials) == len(candidate_subsets(4))
@@ -176,13 +180,18 @@ def test_lookahead_mask_and_positions_reproduce_plain_causal_logits():
     offsets, block = _layout(len(rows), 3, [len(c) for c in candidates])
     ids = [12, *rows[0], *rows[1], *candidates[0], *candidates[1]]
     t = prefix.shape[1]
-    mask = torch.zeros(len(ids), t + len(ids)).masked_fill_(~torch.cat([torch.ones(len(ids), t, dtype=torch.bool),
-                                                                         block], 1), torch.finfo(torch.float32).min)
+    mask = torch.zeros(len(ids), t + len(ids)).masked_fill_(
+        ~torch.cat([torch.ones(len(ids), t, dtype=torch.bool), block], 1), torch.finfo(torch.float32).min
+    )
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
         model(prefix, past_key_values=cache)
-        joint = model(torch.tensor([ids]), position_ids=(t + offsets)[None], attention_mask=mask[None, None],
-                      past_key_values=cache).logits[0]
+        joint = model(
+            torch.tensor([ids]),
+            position_ids=(t + offsets)[None],
+            attention_mask=mask[None, None],
+            past_key_values=cache,
+        ).logits[0]
 
         def alone(sequence):
             return model(torch.cat([prefix, torch.tensor([sequence])], 1)).logits[0, t:]

@@ -28,8 +28,10 @@ def test_exits_skip_layers_and_leave_every_layer_of_the_cache_filled(model_type)
     assert result.extra["mean_layers"] == 2  # every generated token left after layer 1
     seen = PROMPT.shape[1] + len(result.tokens) - 1  # the last token is emitted, never fed
     window = getattr(model.config, "sliding_window", None) or seen  # sliding layers keep window - 1
-    expected = [min(seen, window - 1) if t == "sliding_attention" else seen
-                for t in getattr(model.config, "layer_types", None) or ["full_attention"] * 4]
+    expected = [
+        min(seen, window - 1) if t == "sliding_attention" else seen
+        for t in getattr(model.config, "layer_types", None) or ["full_attention"] * 4
+    ]
     assert [layer.keys.shape[-2] for layer in cache.layers] == expected
 
 

@@ -22,7 +22,7 @@ def _prompt(length=24, seed=0, vocab=128):
 
 def _hf_greedy(model, prompt, n):
     out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, prompt.shape[1]:].tolist()
+    return out[0, prompt.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "mistral", "gemma3_text"])
@@ -84,8 +84,12 @@ def test_engine_greedy_equals_transformers_greedy_on_smollm2(smollm2):
     from compress import models
 
     tokenizer = smollm2.tokenizer
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a poem about the sea at night."}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a poem about the sea at night."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
     bf16 = copy.deepcopy(smollm2.model)  # transformers in bf16, as stored
     fp32 = models.for_compute(copy.deepcopy(smollm2.model), torch.device("cpu"))
     assert greedy(Engine(fp32, kernel="fp32"), prompt, 24).tokens == greedy(fp32, prompt, 24).tokens
@@ -108,8 +112,11 @@ def test_speculation_on_the_engine_is_token_identical_to_its_greedy():
     target = Engine(model, kernel="fp32")
     prompt = _prompt(40)
     plain = greedy(target, prompt, 40)
-    drafts = {"prompt lookup": PromptLookup(), "self-w4 draft": DraftModel(Engine(model, quantize="w4"), 0.0),
-              "layer subset": DraftModel(layer_subset(target, [0, 1, 3]), 0.0)}
+    drafts = {
+        "prompt lookup": PromptLookup(),
+        "self-w4 draft": DraftModel(Engine(model, quantize="w4"), 0.0),
+        "layer subset": DraftModel(layer_subset(target, [0, 1, 3]), 0.0),
+    }
     for name, proposer in drafts.items():
         result = speculate(target, prompt, 40, proposer, k=4)
         assert result.tokens == plain.tokens, name
@@ -152,8 +159,9 @@ def test_kernels_hold_the_weights_they_are_offered_for():
     x = torch.randn(3, 64)
     reference = x @ q_proj.weight.T
     for fmt in ("fp32", "bf16", "int4"):  # bf16 rows in, so agreement to bf16's precision
-        torch.testing.assert_close(kernels.build(fmt, [q_proj], torch.device("cpu"))(x), reference, atol=0.05,
-                                   rtol=0.02)
+        torch.testing.assert_close(
+            kernels.build(fmt, [q_proj], torch.device("cpu"))(x), reference, atol=0.05, rtol=0.02
+        )
     engine = Engine(model, kernel="auto")
     assert set(engine.timings["qkv"]) >= {"fp32", "bf16", "int4"}  # every exact format was timed
     assert engine.formats["qkv"] == min(engine.timings["qkv"], key=engine.timings["qkv"].get)

@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from compress.arch import arch_of, decoder_layers
+from compress.column_sweep import obs_sweep
 from compress.hessian import Hessian
 from compress.passes.awq import fold, search_scale
-from compress.column_sweep import obs_sweep
 from compress.quant import QuantScheme, dequantize, quantize_weight, quantized_of
 from tests.conftest import compress_with, export_and_reload, tiny
 
@@ -75,7 +75,9 @@ def test_singular_hessian_does_not_crash():
 def test_actorder_export_reloads_to_the_same_weights(tmp_path):
     """Act-order keeps static groups: the plain pack-quantized layout (no g_idx) reproduces the weights."""
     model = tiny("llama")
-    recipe = compress_with(model, "  - gptq: {bits: 4, group_size: 32, actorder: true}\n", torch.randint(0, 128, (4, 32)))
+    recipe = compress_with(
+        model, "  - gptq: {bits: 4, group_size: 32, actorder: true}\n", torch.randint(0, 128, (4, 32))
+    )
     reloaded = export_and_reload(model, recipe, tmp_path / "x")
     for (name, ours), (_, theirs) in zip(model.named_modules(), reloaded.named_modules()):
         if quantized_of(ours) is not None:
@@ -113,16 +115,23 @@ def test_awq_scale_search_beats_rtn_with_salient_channels():
     s = search_scale(inputs, [lin], lin, scheme, grid=20)
     assert torch.equal(lin.weight.data, W)  # the search leaves the layer as it found it
     scaled = quantize_weight(W * s, scheme, torch.float32)
-    awq_err = ((X / s) @ dequantize(scaled.q, scaled.scale, scaled.zero_point, torch.float32).T
-               - X @ W.T).pow(2).mean().item()
+    awq_err = (
+        ((X / s) @ dequantize(scaled.q, scaled.scale, scaled.zero_point, torch.float32).T - X @ W.T)
+        .pow(2)
+        .mean()
+        .item()
+    )
     assert awq_err < 0.95 * _out_err(X, W, quantize_weight(W, scheme, torch.float32))
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_awq_then_gptq_recipe_runs(model_type):
     model = tiny(model_type, layers=2)
-    compress_with(model, "  - awq: {bits: 4, group_size: 32, quantize: false}\n  - gptq: {bits: 4, group_size: 32}\n",
-                  torch.randint(0, 128, (4, 32)))
+    compress_with(
+        model,
+        "  - awq: {bits: 4, group_size: 32, quantize: false}\n  - gptq: {bits: 4, group_size: 32}\n",
+        torch.randint(0, 128, (4, 32)),
+    )
     quantized = [m for m in model.modules() if quantized_of(m) is not None]
     assert len(quantized) == 7 * 2
     with torch.no_grad():

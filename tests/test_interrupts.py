@@ -11,14 +11,15 @@ import threading
 import time
 
 import pytest
+from conftest import tiny_folder
 
 from compress import resume
 from compress.export import MANIFEST
 
-from conftest import tiny_folder
-
-RECIPE = ("passes:\n  - gptq: {bits: 4, group_size: 32}\ncalibration: {samples: 4, seqlen: 64}\n"
-          "evaluation: {windows: 2, seqlen: 64}\n")
+RECIPE = (
+    "passes:\n  - gptq: {bits: 4, group_size: 32}\ncalibration: {samples: 4, seqlen: 64}\n"
+    "evaluation: {windows: 2, seqlen: 64}\n"
+)
 # printed at successive stages of `apply`: before calibration, in the sweep, after it (the export is
 # being finished), in the evaluation of the export and in that of the reference
 STAGES = ["memory plan", "compressing blocks:", "compressing blocks: 100%", "evaluating model", "evaluating reference"]
@@ -30,9 +31,24 @@ def model_folder(tmp_path_factory, smollm2):
 
 
 def _apply(recipe, model, out, *extra):
-    return subprocess.Popen([sys.executable, "-m", "compress.cli", "apply", str(recipe), "--model", str(model),
-                             "--output", str(out), "--device", "cpu", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "compress.cli",
+            "apply",
+            str(recipe),
+            "--model",
+            str(model),
+            "--output",
+            str(out),
+            "--device",
+            "cpu",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
 
 
 def _kill_at(process, marker: str, timeout: float = 300) -> str:

@@ -127,8 +127,7 @@ def test_native_int4_product_computes_the_dequantized_weights(group):
 def test_native_bf16_product_and_attention_compute_what_torch_computes():
     generator = torch.Generator().manual_seed(0)
     weight, x = torch.randn(40, 96, generator=generator).bfloat16(), torch.randn(3, 96, generator=generator)
-    torch.testing.assert_close(torch.ops.compress.bf16_matmul(x, weight), x @ weight.float().T,
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(torch.ops.compress.bf16_matmul(x, weight), x @ weight.float().T, atol=1e-5, rtol=1e-5)
     q = torch.randn(4, 3, 16, generator=generator)  # 4 heads over 2 KV heads, 3 rows
     k, v = torch.randn(2, 50, 16, generator=generator), torch.randn(2, 50, 16, generator=generator)
     positions = torch.tensor([20, 21, 22])

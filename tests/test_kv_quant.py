@@ -93,11 +93,20 @@ def test_scheme_is_exported_and_reinstalled(tmp_path):
     assert isinstance(kv_quant.new_cache(reloaded), KIVICache)
 
 
-@pytest.mark.parametrize("passes,message", [
-    ("  - kv_cache: {group_size: 12, residual: 0}\n", r"passes\[0\].kv_cache.group_size: 12 does not divide the head dimension 16"),
-    ("  - kv_cache: {group_size: 16, residual: 20}\n", r"passes\[0\].kv_cache: residual \(20\) must be 0 or a multiple"),
-    ("  - kv_cache: {bits: 3}\n", r"passes\[0\].kv_cache.bits"),
-])
+@pytest.mark.parametrize(
+    "passes,message",
+    [
+        (
+            "  - kv_cache: {group_size: 12, residual: 0}\n",
+            r"passes\[0\].kv_cache.group_size: 12 does not divide the head dimension 16",
+        ),
+        (
+            "  - kv_cache: {group_size: 16, residual: 20}\n",
+            r"passes\[0\].kv_cache: residual \(20\) must be 0 or a multiple",
+        ),
+        ("  - kv_cache: {bits: 3}\n", r"passes\[0\].kv_cache.bits"),
+    ],
+)
 def test_bad_kv_options_are_refused(passes, message):
     with pytest.raises(RecipeError, match=message):
         recipe = parse("passes:\n" + passes)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from compress import factored, models
-from compress.hessian import Hessian
-from compress.factored import Factored, allocate_ranks, factors, rank_for_ratio, whitened_svd
-from compress.passes import RecipeError
 from compress.export import export
+from compress.factored import Factored, allocate_ranks, factors, rank_for_ratio, whitened_svd
+from compress.hessian import Hessian
+from compress.passes import RecipeError
 from compress.recipe import parse
 from tests.conftest import _NoTokenizer, compress_with, export_and_reload, tiny
 
@@ -33,8 +33,11 @@ def test_full_rank_reproduces_the_layer():
     W, X = torch.randn(48, 80), torch.randn(500, 80) * torch.rand(80) * 3
     H = Hessian(torch.nn.Linear(80, 48))
     H.add(X)
-    whitenings = {"svd": (None, False), "asvd": (X.abs().mean(0).sqrt(), True),
-                  "svdllm": (torch.linalg.cholesky(H.H), False)}
+    whitenings = {
+        "svd": (None, False),
+        "asvd": (X.abs().mean(0).sqrt(), True),
+        "svdllm": (torch.linalg.cholesky(H.H), False),
+    }
     for method, (S, diagonal) in whitenings.items():
         B, A = factors(*whitened_svd(W, S, diagonal), 48, S, diagonal)
         torch.testing.assert_close(B @ A, W, atol=2e-5, rtol=0, msg=method)
@@ -82,7 +85,7 @@ def test_merged_lowrank_exports_dense_weights(tmp_path):
 
 
 def _rebuild_as_documented(folder):
-    """docs/design.md's recipe for loading a factored export in plain transformers (keep the two in step)."""
+    """docs/formats.md's recipe for loading a factored export in plain transformers (keep the two in step)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -91,9 +94,14 @@ def _rebuild_as_documented(folder):
     for name, rank in config.compress_lowrank.items():
         parent, _, leaf = name.rpartition(".")
         dense = model.get_submodule(name)
-        setattr(model.get_submodule(parent), leaf, torch.nn.Sequential(
-            torch.nn.Linear(dense.in_features, rank, bias=False),
-            torch.nn.Linear(rank, dense.out_features, bias=dense.bias is not None)))
+        setattr(
+            model.get_submodule(parent),
+            leaf,
+            torch.nn.Sequential(
+                torch.nn.Linear(dense.in_features, rank, bias=False),
+                torch.nn.Linear(rank, dense.out_features, bias=dense.bias is not None),
+            ),
+        )
     model.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
     model.tie_weights()
     return model.eval()
@@ -127,12 +135,17 @@ def test_lorc_with_whitening_lowers_the_output_error_more():
     assert (outputs["svdllm"] - dense).norm() < (outputs["svd"] - dense).norm()
 
 
-@pytest.mark.parametrize("passes,message", [
-    ("  - lowrank: {ratio: 0.5}\n  - rtn: {bits: 4}\n",
-     r"passes\[0\].lowrank: factored layers cannot be combined with other passes \(passes\[1\].rtn\)"),
-    ("  - lorc: {rank: 4}\n", r"passes\[0\].lorc: LoRC corrects quantization error; put a quantization pass"),
-    ("  - rtn: {bits: 4}\n  - lorc: {rank: 4}\n  - wanda: {sparsity: 0.5}\n", r"LoRC must be the last pass"),
-])
+@pytest.mark.parametrize(
+    "passes,message",
+    [
+        (
+            "  - lowrank: {ratio: 0.5}\n  - rtn: {bits: 4}\n",
+            r"passes\[0\].lowrank: factored layers cannot be combined with other passes \(passes\[1\].rtn\)",
+        ),
+        ("  - lorc: {rank: 4}\n", r"passes\[0\].lorc: LoRC corrects quantization error; put a quantization pass"),
+        ("  - rtn: {bits: 4}\n  - lorc: {rank: 4}\n  - wanda: {sparsity: 0.5}\n", r"LoRC must be the last pass"),
+    ],
+)
 def test_bad_combinations_are_refused(passes, message):
     with pytest.raises(RecipeError, match=message):
         parse("passes:\n" + passes)

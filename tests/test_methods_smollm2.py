@@ -30,9 +30,11 @@ RECIPES = {
     "wanda_2of4": f"  - wanda: {{pattern: '2:4', {FIRST_TEN}}}\n",
     "sparsegpt_2of4": f"  - sparsegpt: {{pattern: '2:4', true_sequential: false, {FIRST_TEN}}}\n",
     "gptq_w3_lorc": f"  - gptq: {{bits: 3, group_size: 64, true_sequential: false, {FIRST_TEN}}}\n"
-                    f"  - lorc: {{rank: 16, {FIRST_TEN}}}\n",
-    **{f"{m}_80": f"  - lowrank: {{method: {m}, ratio: 0.8, merge: true, {FIRST_TEN}}}\n"
-       for m in ("svd", "asvd", "svdllm")},
+    f"  - lorc: {{rank: 16, {FIRST_TEN}}}\n",
+    **{
+        f"{m}_80": f"  - lowrank: {{method: {m}, ratio: 0.8, merge: true, {FIRST_TEN}}}\n"
+        for m in ("svd", "asvd", "svdllm")
+    },
 }
 
 
@@ -89,8 +91,10 @@ def test_awq_lowers_block_output_error_vs_rtn(smollm2):
     block = cast_params(copy.deepcopy(smollm2.model.model.layers[0]), cpu, torch.float32)
     reference = BlockData(block, inputs, calls[0]).forward()
     errors = {}
-    for name, passes in {"rtn": "  - rtn: {bits: 3, group_size: 64}\n",
-                         "awq": "  - awq: {bits: 3, group_size: 64, clip: false}\n"}.items():
+    for name, passes in {
+        "rtn": "  - rtn: {bits: 3, group_size: 64}\n",
+        "awq": "  - awq: {bits: 3, group_size: 64, clip: false}\n",
+    }.items():
         candidate = copy.deepcopy(block)
         recipe = parse("passes:\n" + passes)
         recipe.passes[0].check(smollm2.model)

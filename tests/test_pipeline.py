@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 
@@ -65,8 +64,10 @@ def test_tied_export_round_trip(tmp_path):
     assert not list(tmp_path.glob(".x.tmp-*"))  # no temporary folder left behind
 
 
-@pytest.mark.parametrize("recipe", ["  - gptq: {bits: 4, group_size: 32}\n",
-                                    "  - sparsegpt: {pattern: '2:4', quantize: {bits: 4, group_size: 32}}\n"])
+@pytest.mark.parametrize(
+    "recipe",
+    ["  - gptq: {bits: 4, group_size: 32}\n", "  - sparsegpt: {pattern: '2:4', quantize: {bits: 4, group_size: 32}}\n"],
+)
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_replaying_attention_and_mlp_from_kept_inputs_changes_nothing(model_type, recipe, monkeypatch):
     """True-sequential stages rebuild attention/MLP outputs from o_proj's and down_proj's kept

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from compress.arch import arch_of, block_linears, decoder_layers
-from compress.hessian import Hessian
 from compress.column_sweep import obs_sweep
+from compress.hessian import Hessian
 from compress.passes import RecipeError
 from compress.quant import quantized_of
 from compress.recipe import parse
@@ -16,8 +16,11 @@ IDS = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
 
 
 def _linears(model):
-    return {f"{i}.{name}": lin for i, block in enumerate(decoder_layers(model))
-            for name, lin in block_linears(block, arch_of(model)).items()}
+    return {
+        f"{i}.{name}": lin
+        for i, block in enumerate(decoder_layers(model))
+        for name, lin in block_linears(block, arch_of(model)).items()
+    }
 
 
 def _block_weights(model):
@@ -65,8 +68,9 @@ def test_joint_2of4_and_w4_keeps_the_mask(tmp_path):
     assert "pack-quantized" in str(reloaded.config.quantization_config)
 
 
-@pytest.mark.parametrize("later", ["rtn: {bits: 4, group_size: 32}", "gptq: {bits: 4, group_size: 32}",
-                                   "awq: {bits: 4, group_size: 32}"])
+@pytest.mark.parametrize(
+    "later", ["rtn: {bits: 4, group_size: 32}", "gptq: {bits: 4, group_size: 32}", "awq: {bits: 4, group_size: 32}"]
+)
 def test_later_quantization_keeps_pruned_weights_zero(later):
     model = tiny("llama")
     compress_with(model, f"  - wanda: {{pattern: '2:4'}}\n  - {later}\n", IDS)
@@ -76,8 +80,11 @@ def test_later_quantization_keeps_pruned_weights_zero(later):
 def test_indivisible_width_fails_naming_the_layer_or_is_skipped():
     model = tiny("llama", hidden=72)  # every linear but down_proj (144 inputs) reads 72: not a multiple of 16
     recipe = parse("passes:\n  - wanda: {pattern: '8:16'}\n")
-    with pytest.raises(RecipeError, match=r"passes\[0\].wanda.pattern: 8:16 needs input widths divisible by 16, "
-                                          r"not so for .*mlp.gate_proj \(in_features 72\)"):
+    with pytest.raises(
+        RecipeError,
+        match=r"passes\[0\].wanda.pattern: 8:16 needs input widths divisible by 16, "
+        r"not so for .*mlp.gate_proj \(in_features 72\)",
+    ):
         recipe.passes[0].check(model)
     with pytest.warns(UserWarning, match="stay dense"):
         compress_with(model, "  - wanda: {pattern: '8:16', skip_indivisible: true}\n", IDS)
@@ -86,11 +93,14 @@ def test_indivisible_width_fails_naming_the_layer_or_is_skipped():
     assert prune_mask_of(block.mlp.down_proj) is not None
 
 
-@pytest.mark.parametrize("text,message", [
-    ("  - wanda: {pattern: '2:4', sparsity: 0.7}\n", "pattern 2:4 fixes the sparsity at 0.5"),
-    ("  - wanda: {pattern: '4:2'}\n", "pattern must be 'unstructured' or 'N:M'"),
-    ("  - magnitude: {sparsity: 1.5}\n", "sparsity must be between 0 and 1"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("  - wanda: {pattern: '2:4', sparsity: 0.7}\n", "pattern 2:4 fixes the sparsity at 0.5"),
+        ("  - wanda: {pattern: '4:2'}\n", "pattern must be 'unstructured' or 'N:M'"),
+        ("  - magnitude: {sparsity: 1.5}\n", "sparsity must be between 0 and 1"),
+    ],
+)
 def test_bad_pruning_options_name_the_pass(text, message):
     with pytest.raises(RecipeError, match=message):
         parse("passes:\n" + text)

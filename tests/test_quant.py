@@ -41,8 +41,9 @@ def test_bad_bits_rejected():
         QuantScheme(bits=5)
 
 
-@pytest.mark.parametrize("bits,group,symmetric", [(4, 32, True), (4, 32, False), (8, -1, True), (3, 64, False),
-                                                  (2, -1, False)])
+@pytest.mark.parametrize(
+    "bits,group,symmetric", [(4, 32, True), (4, 32, False), (8, -1, True), (3, 64, False), (2, -1, False)]
+)
 def test_export_layout_decompresses_to_our_weights(bits, group, symmetric):
     """Our packed tensors, read by compressed-tensors' own decompressor, give our dequantized weight."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor

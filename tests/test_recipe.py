@@ -5,17 +5,24 @@ from compress.recipe import parse, shipped
 from tests.conftest import tiny
 
 
-@pytest.mark.parametrize("text,message", [
-    ("passes:\n  - foo: {}\n", "passes[0]: unknown pass 'foo'; known passes: awq, blockwise, distill, gptq, kv_cache, lorc, lowrank, magnitude, qlora, rtn, smoothquant, sparsegpt, wanda"),
-    ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits: Input should be 2, 3, 4 or 8"),
-    ("passes:\n  - rtn: {bitz: 4}\n", "passes[0].rtn.bitz: unknown key"),
-    ("passes:\n  - rtn: {group_size: 0}\n", "passes[0].rtn.group_size"),
-    ("passes: []\n", "passes: List should have at least 1 item"),
-    ("model: x\n", "passes: Field required"),
-    ("passes:\n  - rtn: {}\ncalibration: {samples: -1}\n", "calibration.samples"),
-    ("evaluation: {windows: 0}\npasses:\n  - rtn: {}\n", "evaluation.windows"),
-    ("- just a list\n", "a recipe is a YAML mapping"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        (
+            "passes:\n  - foo: {}\n",
+            "passes[0]: unknown pass 'foo'; known passes: awq, blockwise, distill, gptq, kv_cache, lorc, lowrank, "
+            "magnitude, qlora, rtn, smoothquant, sparsegpt, wanda",
+        ),
+        ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits: Input should be 2, 3, 4 or 8"),
+        ("passes:\n  - rtn: {bitz: 4}\n", "passes[0].rtn.bitz: unknown key"),
+        ("passes:\n  - rtn: {group_size: 0}\n", "passes[0].rtn.group_size"),
+        ("passes: []\n", "passes: List should have at least 1 item"),
+        ("model: x\n", "passes: Field required"),
+        ("passes:\n  - rtn: {}\ncalibration: {samples: -1}\n", "calibration.samples"),
+        ("evaluation: {windows: 0}\npasses:\n  - rtn: {}\n", "evaluation.windows"),
+        ("- just a list\n", "a recipe is a YAML mapping"),
+    ],
+)
 def test_bad_recipes_name_the_yaml_path(text, message):
     with pytest.raises(RecipeError) as e:
         parse(text)
@@ -26,7 +33,10 @@ def test_bad_recipes_name_the_yaml_path(text, message):
 def test_group_size_that_does_not_divide_names_the_layers():
     model = tiny("llama", hidden=96)  # 96 % 64 != 0
     recipe = parse("passes:\n  - rtn: {bits: 4, group_size: 64}\n")
-    with pytest.raises(RecipeError, match=r"passes\[0\].rtn.group_size: 64 does not divide .*mlp.gate_proj \(in_features 96\).* and \d more"):
+    with pytest.raises(
+        RecipeError,
+        match=r"passes\[0\].rtn.group_size: 64 does not divide .*mlp.gate_proj \(in_features 96\).* and \d more",
+    ):
         recipe.passes[0].check(model)
 
 

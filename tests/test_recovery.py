@@ -45,15 +45,15 @@ def test_blockwise_lowers_the_error_and_keeps_the_integers(tmp_path):
             assert not torch.equal(quantized_of(a).scale, quantized_of(b).scale), name
     blockwise = recipe.passes[1]
     assert all(log["loss_last"] < log["loss_first"] for log in blockwise.log.values()), blockwise.log
-    torch.testing.assert_close(_logits(export_and_reload(tuned, recipe, tmp_path / "x")), _logits(tuned),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        _logits(export_and_reload(tuned, recipe, tmp_path / "x")), _logits(tuned), atol=1e-5, rtol=0
+    )
 
 
 def test_distillation_keeps_masks_exact_and_lowers_the_loss():
     dense, pruned, tuned = tiny("llama"), tiny("llama"), tiny("llama")
     compress_with(pruned, "  - magnitude: {pattern: '2:4'}\n")
-    compress_with(tuned, "  - magnitude: {pattern: '2:4'}\n  - distill: {steps: 30, weight_lr: 0.001, batch: 2}\n",
-                  IDS)
+    compress_with(tuned, "  - magnitude: {pattern: '2:4'}\n  - distill: {steps: 30, weight_lr: 0.001, batch: 2}\n", IDS)
     assert _kd(tuned, dense) < _kd(pruned, dense)
     trained = 0
     for (name, a), b in zip(pruned.named_modules(), tuned.modules()):
@@ -71,7 +71,9 @@ def test_recovery_is_deterministic_for_a_seed():
     for _ in range(2):
         torch.manual_seed(3)
         model = tiny("llama")
-        compress_with(model, "  - rtn: {bits: 3, group_size: 32}\n  - distill: {steps: 5, train: [scales, norms]}\n", IDS)
+        compress_with(
+            model, "  - rtn: {bits: 3, group_size: 32}\n  - distill: {steps: 5, train: [scales, norms]}\n", IDS
+        )
         runs.append(_logits(model))
     assert torch.equal(*runs)
 
@@ -83,8 +85,12 @@ def test_qlora_adapter_loads_with_peft_and_reproduces_our_logits(merge, tmp_path
 
     dense, rtn, model = tiny("llama"), tiny("llama"), tiny("llama")
     compress_with(rtn, "  - rtn: {bits: 3, group_size: 32}\n")
-    recipe = compress_with(model, f"  - rtn: {{bits: 3, group_size: 32}}\n"
-                                  f"  - qlora: {{rank: 4, steps: 30, batch: 8, lr: 0.01, merge: {str(merge).lower()}}}\n", IDS)
+    recipe = compress_with(
+        model,
+        f"  - rtn: {{bits: 3, group_size: 32}}\n"
+        f"  - qlora: {{rank: 4, steps: 30, batch: 8, lr: 0.01, merge: {str(merge).lower()}}}\n",
+        IDS,
+    )
     if not merge:  # merging re-rounds the weights, which may undo a tiny model's gain
         assert _kd(model, dense) < _kd(rtn, dense)
     out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
@@ -98,21 +104,28 @@ def test_qlora_adapter_loads_with_peft_and_reproduces_our_logits(merge, tmp_path
 def test_gemma_norms_train_through_one_plus_weight():
     dense, model = tiny("gemma3_text"), tiny("gemma3_text")
     before = {n: p.clone() for n, p in model.named_parameters() if "norm" in n}
-    compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n  - blockwise: {steps: 10, train: [norms], lr: 0.01}\n",
-                  IDS)
+    compress_with(
+        model, "  - rtn: {bits: 4, group_size: 32}\n  - blockwise: {steps: 10, train: [norms], lr: 0.01}\n", IDS
+    )
     changed = [n for n, p in model.named_parameters() if "norm" in n and not torch.equal(p, before[n])]
     assert changed and _logits(model).isfinite().all()
     assert _kd(model, dense) < float("inf")
 
 
-@pytest.mark.parametrize("passes,message", [
-    ("  - distill: {}\n", r"passes\[0\].distill: recovers what compression lost"),
-    ("  - distill: {}\n  - rtn: {bits: 4}\n", r"passes\[0\].distill: .* must follow every block pass \(passes\[1\].rtn"),
-    ("  - wanda: {}\n  - qlora: {}\n", r"passes\[1\].qlora: LoRA trains on a frozen quantized base"),
-    ("  - rtn: {bits: 4}\n  - distill: {train: []}\n", r"passes\[1\].distill.train: .*at least one"),
-    ("  - rtn: {bits: 4}\n  - blockwise: {train: [lora]}\n", r"passes\[1\].blockwise.train\[0\]"),
-    ("  - rtn: {bits: 4}\n  - blockwise: {steps: 0}\n", r"passes\[1\].blockwise.steps"),
-])
+@pytest.mark.parametrize(
+    "passes,message",
+    [
+        ("  - distill: {}\n", r"passes\[0\].distill: recovers what compression lost"),
+        (
+            "  - distill: {}\n  - rtn: {bits: 4}\n",
+            r"passes\[0\].distill: .* must follow every block pass \(passes\[1\].rtn",
+        ),
+        ("  - wanda: {}\n  - qlora: {}\n", r"passes\[1\].qlora: LoRA trains on a frozen quantized base"),
+        ("  - rtn: {bits: 4}\n  - distill: {train: []}\n", r"passes\[1\].distill.train: .*at least one"),
+        ("  - rtn: {bits: 4}\n  - blockwise: {train: [lora]}\n", r"passes\[1\].blockwise.train\[0\]"),
+        ("  - rtn: {bits: 4}\n  - blockwise: {steps: 0}\n", r"passes\[1\].blockwise.steps"),
+    ],
+)
 def test_bad_recovery_recipes_are_refused(passes, message):
     with pytest.raises(RecipeError, match=message):
         parse("passes:\n" + passes)
@@ -122,13 +135,18 @@ def test_a_few_distillation_steps_lower_the_loss_on_real_data(tmp_path):
     """`compress apply` on SmolLM2: first ten blocks at RTN W3, then 6 distillation steps on
     scales and norms over the same 2 × 128 wikitext tokens; the loss must fall."""
     recipe = tmp_path / "kd.yaml"
-    recipe.write_text("calibration: {source: wikitext2, samples: 2, seqlen: 128}\npasses:\n"
-                      "  - rtn: {bits: 3, group_size: 64, ignore: [lm_head, 're:layers\\.[12]\\d\\.']}\n"
-                      "  - distill: {steps: 6, batch: 2, train: [scales, norms]}\n"
-                      "evaluation: {ppl: wikitext2, seqlen: 256, windows: 2}\n")
+    recipe.write_text(
+        "calibration: {source: wikitext2, samples: 2, seqlen: 128}\npasses:\n"
+        "  - rtn: {bits: 3, group_size: 64, ignore: [lm_head, 're:layers\\.[12]\\d\\.']}\n"
+        "  - distill: {steps: 6, batch: 2, train: [scales, norms]}\n"
+        "evaluation: {ppl: wikitext2, seqlen: 256, windows: 2}\n"
+    )
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "compress.cli", "apply", str(recipe), "--output", str(out)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "compress.cli", "apply", str(recipe), "--output", str(out)],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     log = json.loads((out / "report.json").read_text())["training"]["passes[1].distill"]
     assert log["steps"] == 6 and log["loss_last"] < log["loss_first"], log

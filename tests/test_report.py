@@ -9,9 +9,20 @@ from compress.cli import main
 def _export(folder, recipe, bits, size, ppl, kl, seconds=10.0, protocol="wikitext2 test, 2 × 256 tokens"):
     folder.mkdir()
     evaluation = {} if ppl is None else {"protocol": protocol, "ppl": ppl, "ref_ppl": 20.0, "kl": kl, "top1": 0.9}
-    (folder / "report.json").write_text(json.dumps({
-        "recipe": recipe, "method": f"{recipe} method", "bits_per_weight": bits, "size_mb": size,
-        "compress_s": seconds, "peak_rss_gb": 1.0, "training": {}, "eval": evaluation}))
+    (folder / "report.json").write_text(
+        json.dumps(
+            {
+                "recipe": recipe,
+                "method": f"{recipe} method",
+                "bits_per_weight": bits,
+                "size_mb": size,
+                "compress_s": seconds,
+                "peak_rss_gb": 1.0,
+                "training": {},
+                "eval": evaluation,
+            }
+        )
+    )
     return folder
 
 
@@ -22,16 +33,24 @@ def test_pareto_front_keeps_the_points_nothing_beats_on_both_axes():
 
 def test_report_writes_a_table_and_plots_and_touches_nothing_else(tmp_path):
     pytest.importorskip("matplotlib")
-    folders = [_export(tmp_path / "a", "rtn-w4", 4.5, 90.0, 30.0, 0.2),
-               _export(tmp_path / "b", "gptq-w4", 4.5, 90.0, 26.0, 0.1, seconds=100.0),
-               _export(tmp_path / "c", "rtn-w8", 8.1, 150.0, 20.1, 0.01),
-               _export(tmp_path / "d", "no-eval", 4.5, 90.0, None, None)]
+    folders = [
+        _export(tmp_path / "a", "rtn-w4", 4.5, 90.0, 30.0, 0.2),
+        _export(tmp_path / "b", "gptq-w4", 4.5, 90.0, 26.0, 0.1, seconds=100.0),
+        _export(tmp_path / "c", "rtn-w8", 8.1, 150.0, 20.1, 0.01),
+        _export(tmp_path / "d", "no-eval", 4.5, 90.0, None, None),
+    ]
     out = tmp_path / "report"
     out.mkdir()
     (out / "mine.txt").write_text("a user's file")
     assert main(["report", *map(str, folders), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == ["compress_time.png", "kl_vs_bits.png", "mine.txt",
-                                                     "ppl_vs_bits.png", "ppl_vs_size.png", "report.md"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "compress_time.png",
+        "kl_vs_bits.png",
+        "mine.txt",
+        "ppl_vs_bits.png",
+        "ppl_vs_size.png",
+        "report.md",
+    ]
     for png in out.glob("*.png"):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = (out / "report.md").read_text()

@@ -6,26 +6,25 @@ import subprocess
 import sys
 
 import pytest
+from conftest import tiny_folder
 
 from compress import resume
 from compress.apply import apply
 from compress.recipe import parse
 from compress.resume import BlockCheckpoints, ResumeError
 
-from conftest import tiny_folder
-
 DATA = "calibration: {samples: 4, seqlen: 64}\n"
 RECIPES = {  # every kind of state a pass leaves on a block
     "gptq": "  - gptq: {bits: 4, group_size: 32}\n",
     "awq + kv_cache": "  - awq: {bits: 4, group_size: 32, symmetric: true, grid: 4}\n"
-                      "  - kv_cache: {bits: 4, group_size: 16, residual: 0}\n",
+    "  - kv_cache: {bits: 4, group_size: 16, residual: 0}\n",
     "sparsegpt 2:4 + W4": "  - sparsegpt: {pattern: '2:4', quantize: {bits: 4, group_size: 32, symmetric: true}}\n",
     "smoothquant W8A8": "  - smoothquant: {alpha: 0.5, activations: token}\n"
-                        "  - rtn: {bits: 8, group_size: -1, symmetric: true}\n",
+    "  - rtn: {bits: 8, group_size: -1, symmetric: true}\n",
     "svd-llm": "  - lowrank: {method: svdllm, ratio: 0.8}\n",
     "gptq + lorc": "  - gptq: {bits: 3, group_size: 32, symmetric: true}\n  - lorc: {rank: 4, method: svd}\n",
     "gptq + blockwise": "  - gptq: {bits: 3, group_size: 32, symmetric: true}\n"
-                        "  - blockwise: {train: [scales, norms], steps: 3, lr: 0.001, batch: 1}\n",
+    "  - blockwise: {train: [scales, norms], steps: 3, lr: 0.001, batch: 1}\n",
 }
 
 
@@ -40,7 +39,8 @@ def model_folder(tmp_path_factory, smollm2):
 
 def _weights(folder):
     return {p.name: p.read_bytes() for p in sorted(folder.rglob("*.safetensors"))} | {
-        "config.json": (folder / "config.json").read_bytes()}
+        "config.json": (folder / "config.json").read_bytes()
+    }
 
 
 def _crash_after(block: int, monkeypatch):
@@ -98,8 +98,9 @@ def test_resume_is_refused_where_nothing_is_kept(model_folder, tmp_path, capsys)
         apply(recipe, str(model_folder), tmp_path / "out", "cpu", evaluate_after=False, resume_run=True)
     recipe = parse(DATA + "passes:\n" + RECIPES["gptq"])
     with pytest.raises(ResumeError, match="--no-checkpoints"):
-        apply(recipe, str(model_folder), tmp_path / "out", "cpu", evaluate_after=False, resume_run=True,
-              keep_blocks=False)
+        apply(
+            recipe, str(model_folder), tmp_path / "out", "cpu", evaluate_after=False, resume_run=True, keep_blocks=False
+        )
     apply(recipe, str(model_folder), tmp_path / "out", "cpu", evaluate_after=False, keep_blocks=False)
     assert (tmp_path / "out").is_dir() and not resume.folder_for(tmp_path / "out").exists()
     assert "kept for --resume" not in capsys.readouterr().out
@@ -124,9 +125,11 @@ def test_the_cli_continues_a_killed_run(model_folder, tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(DATA + "passes:\n" + RECIPES["gptq"])
     out = tmp_path / "out"
-    crash = ("import sys; from compress import resume; from compress.cli import main; save = resume.BlockCheckpoints.save\n"
-             "def stop(self, i, *a):\n    save(self, i, *a)\n    if i == 1: raise KeyboardInterrupt\n"
-             "resume.BlockCheckpoints.save = stop; sys.exit(main())")
+    crash = (
+        "import sys; from compress import resume; from compress.cli import main; save = resume.BlockCheckpoints.save\n"
+        "def stop(self, i, *a):\n    save(self, i, *a)\n    if i == 1: raise KeyboardInterrupt\n"
+        "resume.BlockCheckpoints.save = stop; sys.exit(main())"
+    )
     args = ["apply", str(recipe), "--model", str(model_folder), "--output", str(out), "--device", "cpu", "--no-eval"]
     stopped = subprocess.run([sys.executable, "-c", crash, *args], capture_output=True, text=True)
     assert stopped.returncode == 130 and "--resume continues" in stopped.stderr, stopped.stderr[-2000:]

@@ -18,8 +18,11 @@ def _rtn(model, options: str):
 def ppls(smollm2):
     """Perplexity of RTN variants of the real model, computed once per module."""
     results = {"dense": ppl(copy.deepcopy(smollm2.model), smollm2.tokenizer, WINDOWS, SEQLEN)}
-    for name, options in {"w8": "{bits: 8, group_size: -1}", "w4g64": "{bits: 4, group_size: 64}",
-                          "w4ch": "{bits: 4, group_size: -1}"}.items():
+    for name, options in {
+        "w8": "{bits: 8, group_size: -1}",
+        "w4g64": "{bits: 4, group_size: 64}",
+        "w4ch": "{bits: 4, group_size: -1}",
+    }.items():
         model = copy.deepcopy(smollm2.model)
         _rtn(model, options)
         results[name] = ppl(model, smollm2.tokenizer, WINDOWS, SEQLEN)
@@ -47,7 +50,8 @@ def test_export_reloads_in_plain_transformers(smollm2, smollm2_copy, tmp_path):
     recipe = _rtn(smollm2_copy, "{bits: 4, group_size: 64}")
     out = export(smollm2_copy, smollm2.tokenizer, tmp_path / "w4", recipe.text, {"base_model": "smollm2-135m"})
     assert {"model.safetensors", "config.json", "recipe.yaml", MANIFEST, "tokenizer.json"} <= {
-        p.name for p in out.iterdir()}
+        p.name for p in out.iterdir()
+    }
     reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
     ids = smollm2.tokenizer("The capital of France is Paris, and the", return_tensors="pt").input_ids
     with torch.no_grad():

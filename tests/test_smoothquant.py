@@ -61,9 +61,11 @@ def test_activation_fake_quant_matches_the_int8_grid():
 def test_smoothing_beats_no_smoothing_with_outlier_channels():
     dense = _with_outlier_channels(tiny("llama"))
     errors = {}
-    for name, passes in {"naive per-tensor": "  - smoothquant: {smooth: false, activations: tensor}\n",
-                         "per-token": "  - smoothquant: {smooth: false}\n",
-                         "smoothed": "  - smoothquant: {alpha: 0.5}\n"}.items():
+    for name, passes in {
+        "naive per-tensor": "  - smoothquant: {smooth: false, activations: tensor}\n",
+        "per-token": "  - smoothquant: {smooth: false}\n",
+        "smoothed": "  - smoothquant: {alpha: 0.5}\n",
+    }.items():
         model = _with_outlier_channels(tiny("llama"))
         compress_with(model, passes + "  - rtn: {bits: 8, group_size: -1}\n", IDS)
         errors[name] = (_logits(model) - _logits(dense)).pow(2).mean().item()

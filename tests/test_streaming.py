@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from conftest import compress_with, tiny
 from safetensors.torch import save_file
 
 from compress import data, lazy, models
@@ -13,15 +14,22 @@ from compress.evaluate import windows_of
 from compress.export import ShardWriter
 from compress.recipe import parse
 
-from conftest import compress_with, tiny
-
 
 def test_shard_writer_lays_out_bytes_exactly_as_save_file(tmp_path):
-    tensors = {f"b{i}.{n}": t for i in range(3) for n, t in {
-        "w": torch.randn(7, 5), "b": torch.randn(3).bfloat16(), "h": torch.randn(2).half(),
-        "packed": torch.randint(-8, 8, (4, 3), dtype=torch.int32), "shape": torch.tensor([3, 4]),
-        "i8": torch.randint(-5, 5, (9,), dtype=torch.int8), "mask": torch.rand(5) > 0.5,
-        "scalar": torch.tensor(1.5, dtype=torch.float64)}.items()}
+    tensors = {
+        f"b{i}.{n}": t
+        for i in range(3)
+        for n, t in {
+            "w": torch.randn(7, 5),
+            "b": torch.randn(3).bfloat16(),
+            "h": torch.randn(2).half(),
+            "packed": torch.randint(-8, 8, (4, 3), dtype=torch.int32),
+            "shape": torch.tensor([3, 4]),
+            "i8": torch.randint(-5, 5, (9,), dtype=torch.int8),
+            "mask": torch.rand(5) > 0.5,
+            "scalar": torch.tensor(1.5, dtype=torch.float64),
+        }.items()
+    }
     save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
     writer = ShardWriter(tmp_path)
     for k, v in tensors.items():
@@ -73,8 +81,10 @@ def test_blocks_are_read_on_entry_and_freed_on_exit(sharded):
 def test_streamed_apply_matches_the_whole_model_and_reloads_in_transformers(sharded, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    text = ("passes:\n  - gptq: {bits: 4, group_size: 32, symmetric: true}\n"
-            "calibration: {samples: 4, seqlen: 64}\nevaluation: {windows: 3, seqlen: 64}\n")
+    text = (
+        "passes:\n  - gptq: {bits: 4, group_size: 32, symmetric: true}\n"
+        "calibration: {samples: 4, seqlen: 64}\nevaluation: {windows: 3, seqlen: 64}\n"
+    )
     recipe = parse(text)
     out = tmp_path / "export"
     report = apply(recipe, str(sharded), out, device="cpu", max_shard_mb=1)
@@ -120,15 +130,19 @@ def test_apply_refuses_a_run_that_does_not_fit_before_writing_anything(sharded, 
 
 
 def test_spilled_activations_give_the_same_export_and_leave_no_file(sharded, tmp_path, capsys):
-    text = ("passes:\n  - awq: {bits: 4, group_size: 32}\n  - gptq: {bits: 4, group_size: 32}\n"
-            "calibration: {samples: 4, seqlen: 64}\n")
+    text = (
+        "passes:\n  - awq: {bits: 4, group_size: 32}\n  - gptq: {bits: 4, group_size: 32}\n"
+        "calibration: {samples: 4, seqlen: 64}\n"
+    )
     spill = tmp_path / "spill"
     spill.mkdir()
     in_ram = apply(parse(text), str(sharded), tmp_path / "ram", device="cpu", evaluate_after=False)
     spilled = apply(parse(text), str(sharded), tmp_path / "spilled", device="cpu", evaluate_after=False, spill=spill)
     assert "calibration activations on disk" in capsys.readouterr().out
     assert in_ram.bits_per_weight == spilled.bits_per_weight
-    assert (tmp_path / "ram" / "model.safetensors").read_bytes() == (tmp_path / "spilled" / "model.safetensors").read_bytes()
+    assert (tmp_path / "ram" / "model.safetensors").read_bytes() == (
+        tmp_path / "spilled" / "model.safetensors"
+    ).read_bytes()
     assert not list(spill.iterdir())  # every activation file removed
 
 

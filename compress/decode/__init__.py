@@ -10,12 +10,49 @@
 - ``early_exit``: CALM's confidence-based early exit (lossy).
 """
 
-from .draft import (DraftModel, LookupThenDraft, candidate_subsets, layer_count, layer_subset, parse_layers, save_layers,
-                    saved_layers, search_layers)
-from .loop import (DecodeError, DecodeResult, HFRunner, Sampling, accept_greedy, accept_sampled, common_prefix,
-                   greedy, speculate)
+from .draft import (
+    DraftModel,
+    LookupThenDraft,
+    candidate_subsets,
+    layer_count,
+    layer_subset,
+    parse_layers,
+    save_layers,
+    saved_layers,
+    search_layers,
+)
+from .loop import (
+    DecodeError,
+    DecodeResult,
+    HFRunner,
+    Sampling,
+    accept_greedy,
+    accept_sampled,
+    common_prefix,
+    greedy,
+    speculate,
+)
 from .prompt_lookup import PromptLookup, default_token_cost
 
-__all__ = ["DecodeError", "DecodeResult", "DraftModel", "HFRunner", "LookupThenDraft", "PromptLookup", "Sampling", "accept_greedy",
-           "accept_sampled", "candidate_subsets", "common_prefix", "default_token_cost", "greedy", "layer_count",
-           "layer_subset", "parse_layers", "save_layers", "saved_layers", "search_layers", "speculate"]
+__all__ = [
+    "DecodeError",
+    "DecodeResult",
+    "DraftModel",
+    "HFRunner",
+    "LookupThenDraft",
+    "PromptLookup",
+    "Sampling",
+    "accept_greedy",
+    "accept_sampled",
+    "candidate_subsets",
+    "common_prefix",
+    "default_token_cost",
+    "greedy",
+    "layer_count",
+    "layer_subset",
+    "parse_layers",
+    "save_layers",
+    "saved_layers",
+    "search_layers",
+    "speculate",
+]

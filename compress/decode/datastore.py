@@ -50,8 +50,9 @@ class Datastore:
                 continue
             out = []
             for step in range(k):
-                following = [(s, p, self.sequences[s][p + step]) for s, p in places
-                             if p + step < len(self.sequences[s])]
+                following = [
+                    (s, p, self.sequences[s][p + step]) for s, p in places if p + step < len(self.sequences[s])
+                ]
                 if not following:
                     break
                 token = Counter(t for _, _, t in following).most_common(1)[0][0]
@@ -74,8 +75,10 @@ class Datastore:
             if not all(type(t) is int for tokens in sequences for t in tokens):
                 raise TypeError
         except (OSError, ValueError, KeyError, TypeError):
-            raise DecodeError(f"--datastore {path} is not a compress datastore (JSON with 'tokenizer' and "
-                              "'sequences'); give a new file name to start one") from None
+            raise DecodeError(
+                f"--datastore {path} is not a compress datastore (JSON with 'tokenizer' and "
+                "'sequences'); give a new file name to start one"
+            ) from None
         if saved_id != tokenizer_id:
             raise DecodeError(f"{path} was written with another tokenizer; give a new file name for this model")
         return cls(sequences, tokenizer_id=tokenizer_id)

@@ -88,8 +88,9 @@ def layer_subset(model, keep: list[int]):
         clone = copy.copy(module)
         clone._modules = dict(module._modules)
         child = module._modules[rest[0]]
-        clone._modules[rest[0]] = torch.nn.ModuleList([child[i] for i in keep]) if len(rest) == 1 else \
-            rebuilt(child, rest[1:])
+        clone._modules[rest[0]] = (
+            torch.nn.ModuleList([child[i] for i in keep]) if len(rest) == 1 else rebuilt(child, rest[1:])
+        )
         return clone
 
     return rebuilt(model, path)
@@ -142,9 +143,11 @@ def save_layers(folder: str | Path, keep: list[int], trials: list[dict]) -> Path
     write_json(folder / SAVED_LAYERS, {"layers": ",".join(map(str, keep)), "trials": trials}, indent=1)
     return folder / SAVED_LAYERS
 
+
 @torch.no_grad()
-def search_layers(model, prompts: list[torch.Tensor], max_new_tokens: int = 32, k: int = 8,
-                  threshold: float = 0.4) -> tuple[list[int], list[dict]]:
+def search_layers(
+    model, prompts: list[torch.Tensor], max_new_tokens: int = 32, k: int = 8, threshold: float = 0.4
+) -> tuple[list[int], list[dict]]:
     """The candidate subset with the most tokens per second on ``prompts`` (greedy, measured)."""
     trials = []
     for keep in candidate_subsets(layer_count(model)):
@@ -153,7 +156,12 @@ def search_layers(model, prompts: list[torch.Tensor], max_new_tokens: int = 32, 
             result = speculate(model, prompt, max_new_tokens, DraftModel(layer_subset(model, keep), threshold), k)
             tokens, seconds = tokens + len(result.tokens), seconds + result.seconds
             per_forward.append(result.tokens_per_forward)
-        trials.append({"layers": keep, "tokens_per_s": tokens / seconds,
-                       "tokens_per_forward": sum(per_forward) / len(per_forward)})
+        trials.append(
+            {
+                "layers": keep,
+                "tokens_per_s": tokens / seconds,
+                "tokens_per_forward": sum(per_forward) / len(per_forward),
+            }
+        )
     best = max(trials, key=lambda t: t["tokens_per_s"])
     return best["layers"], trials

@@ -63,8 +63,16 @@ def default_exits(count: int) -> list[int]:
 
 
 @torch.no_grad()
-def early_exit_greedy(model, prompt: torch.Tensor, max_new_tokens: int, threshold: float, exits: list[int],
-                      measure: Measure = "softmax", eos: set[int] = frozenset(), cache=None) -> DecodeResult:
+def early_exit_greedy(
+    model,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    threshold: float,
+    exits: list[int],
+    measure: Measure = "softmax",
+    eos: set[int] = frozenset(),
+    cache=None,
+) -> DecodeResult:
     """Greedy decoding that leaves a token's forward at the first exit layer where it is confident.
 
     ``model``: a transformers model, or an ``Engine`` (our forward: a skipped layer computes
@@ -91,11 +99,11 @@ def early_exit_greedy(model, prompt: torch.Tensor, max_new_tokens: int, threshol
             return out, count if model.exited is None else model.exited + 1
     else:
         cache = cache if cache is not None else DynamicCache(config=model.config)
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True,
-                       logits_to_keep=1).logits[0, -1].float()
+        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
 
         def step(token):
             return _transformers_step(model, cache, token, exits, threshold, measure)
+
     tokens, depths = [], []
     while True:
         token = int(logits.argmax())
@@ -118,8 +126,13 @@ def _transformers_step(model, cache, token: int, exits: set[int], threshold: flo
     rotary = _rotary(inner, hidden, position)
     exited = None
     for i, layer in enumerate(layers):
-        kw = dict(attention_mask=None, position_ids=position, past_key_values=cache, use_cache=True,
-                  position_embeddings=rotary[i])
+        kw = dict(
+            attention_mask=None,
+            position_ids=position,
+            past_key_values=cache,
+            use_cache=True,
+            position_embeddings=rotary[i],
+        )
         if exited is not None:  # only the attention, on the exit state: the cache stays complete
             layer.self_attn(hidden_states=layer.input_layernorm(hidden), **kw)
             continue
@@ -130,8 +143,7 @@ def _transformers_step(model, cache, token: int, exits: set[int], threshold: flo
 
 
 @torch.no_grad()
-def calibrate(model, ids: torch.Tensor, exits: list[int], measure: Measure = "softmax",
-              target: float = 0.9) -> dict:
+def calibrate(model, ids: torch.Tensor, exits: list[int], measure: Measure = "softmax", target: float = 0.9) -> dict:
     """The lowest threshold whose simulated exits agree with the full model's top-1 on at least
     ``target`` of the tokens of ``ids`` (rows of calibration text), with what it saves.
 
@@ -156,5 +168,9 @@ def calibrate(model, ids: torch.Tensor, exits: list[int], measure: Measure = "so
         depth = torch.where(first >= 0, torch.tensor(exits, device=first.device)[first.clamp(min=0)] + 1, count)
         if agreement.float().mean() < target:
             break
-        best = {"threshold": t, "agreement": agreement.float().mean().item(), "mean_layers": depth.float().mean().item()}
+        best = {
+            "threshold": t,
+            "agreement": agreement.float().mean().item(),
+            "mean_layers": depth.float().mean().item(),
+        }
     return best

@@ -63,7 +63,7 @@ class Norm:
 def _norm(module, dtype: torch.dtype, plus_one: bool) -> Norm | None:
     if module is None:
         return None
-    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
+    eps = getattr(module, "variance_epsilon", None) or module.eps
     w = module.weight.detach()
     return Norm(1.0 + w.float() if plus_one else w.to(dtype), eps, plus_one)
 
@@ -86,8 +86,12 @@ class Layer:
 
 def _linears(layer) -> dict[str, list]:
     a, m = layer.self_attn, layer.mlp
-    return {"qkv": [a.q_proj, a.k_proj, a.v_proj], "o": [a.o_proj], "gate_up": [m.gate_proj, m.up_proj],
-            "down": [m.down_proj]}
+    return {
+        "qkv": [a.q_proj, a.k_proj, a.v_proj],
+        "o": [a.o_proj],
+        "gate_up": [m.gate_proj, m.up_proj],
+        "down": [m.down_proj],
+    }
 
 
 class Engine:
@@ -127,9 +131,19 @@ class Engine:
     cache whatever the model carries (a draft, whose rejected tokens must be rolled back).
     """
 
-    def __init__(self, model, kernel: str = "auto", max_len: int = 1024, quantize: str | None = None,
-                 lm_head: str | None = None, dtype: torch.dtype | None = None, compile: bool = False,
-                 kivi: bool = True, graphs: bool | None = None, step_rows: int | None = None):
+    def __init__(
+        self,
+        model,
+        kernel: str = "auto",
+        max_len: int = 1024,
+        quantize: str | None = None,
+        lm_head: str | None = None,
+        dtype: torch.dtype | None = None,
+        compile: bool = False,
+        kivi: bool = True,
+        graphs: bool | None = None,
+        step_rows: int | None = None,
+    ):
         config = model.config
         if config.model_type not in SUPPORTED:
             raise DecodeError(f"the decode engine supports {', '.join(SUPPORTED)} models, not {config.model_type}")
@@ -156,18 +170,30 @@ class Engine:
         head = [model.lm_head]
         self.formats, self.timings = kernels.choose(
             {name: [g[name] for g in groups] for name in groups[0]} | {"lm_head": [head]},
-            kernel, self.device, lossy={"lm_head": lm_head} if lm_head else {},
-            compiled=compile and self.device.type == "cpu")
+            kernel,
+            self.device,
+            lossy={"lm_head": lm_head} if lm_head else {},
+            compiled=compile and self.device.type == "cpu",
+        )
         bf16_kernels = all(kernels.takes_bf16(fmt) for fmt in self.formats.values())
-        self.dtype = dtype or (model.dtype if self.device.type != "cpu" else
-                               torch.bfloat16 if bf16_kernels else torch.float32)
+        self.dtype = dtype or (
+            model.dtype if self.device.type != "cpu" else torch.bfloat16 if bf16_kernels else torch.float32
+        )
         # attention (and so the cache) in fp32 where bf16 arithmetic is emulated (an AVX2-only CPU):
         # there the compiled step's bf16 SDPA for one row over ~330 slots took 352 us a layer, fp32 156-173
-        self.cache_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
-                            and not kernels.onednn_bf16_available() else self.dtype)
+        self.cache_dtype = (
+            torch.float32
+            if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not kernels.onednn_bf16_available()
+            else self.dtype
+        )
         # one-row attention: ~60 us of SDPA's overhead a layer on such a CPU (``native``)
-        self.native_attention = (self.device.type == "cpu" and self.cache_dtype == torch.float32
-                                 and self.softcap_attn is None and self.head_dim % 8 == 0 and native.available())
+        self.native_attention = (
+            self.device.type == "cpu"
+            and self.cache_dtype == torch.float32
+            and self.softcap_attn is None
+            and self.head_dim % 8 == 0
+            and native.available()
+        )
         self.final_norm = _norm(inner.norm, self.dtype, gemma)
         self.lm_head = kernels.build(self.formats["lm_head"], head, self.device, traceable=compile)
         self.layers = []
@@ -176,17 +202,24 @@ class Engine:
             window = getattr(a, "sliding_window", None)
             if config.model_type == "mistral":
                 window = getattr(config, "sliding_window", None)
-            self.layers.append(Layer(
-                **{name: kernels.build(self.formats[name], lins, self.device, traceable=compile)
-                   for name, lins in g.items()},
-                attn_norm=_norm(layer.input_layernorm, self.dtype, gemma),
-                mlp_norm=_norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm,
-                               self.dtype, gemma),
-                post_attn_norm=_norm(layer.post_attention_layernorm, self.dtype, gemma) if gemma else None,
-                post_mlp_norm=_norm(layer.post_feedforward_layernorm, self.dtype, gemma) if gemma else None,
-                q_norm=_norm(getattr(a, "q_norm", None), self.dtype, gemma),
-                k_norm=_norm(getattr(a, "k_norm", None), self.dtype, gemma),
-                window=window, rotary=config.layer_types[i] if gemma else "default"))
+            self.layers.append(
+                Layer(
+                    **{
+                        name: kernels.build(self.formats[name], lins, self.device, traceable=compile)
+                        for name, lins in g.items()
+                    },
+                    attn_norm=_norm(layer.input_layernorm, self.dtype, gemma),
+                    mlp_norm=_norm(
+                        layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm, self.dtype, gemma
+                    ),
+                    post_attn_norm=_norm(layer.post_attention_layernorm, self.dtype, gemma) if gemma else None,
+                    post_mlp_norm=_norm(layer.post_feedforward_layernorm, self.dtype, gemma) if gemma else None,
+                    q_norm=_norm(getattr(a, "q_norm", None), self.dtype, gemma),
+                    k_norm=_norm(getattr(a, "k_norm", None), self.dtype, gemma),
+                    window=window,
+                    rotary=config.layer_types[i] if gemma else "default",
+                )
+            )
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         self.context = getattr(config, "max_position_embeddings", None) or 1 << 20
         self.graphs = self.device.type == "cuda" if graphs is None else graphs
@@ -272,7 +305,8 @@ class Engine:
         for k_cache, v_cache in zip(self.k_cache, self.v_cache):
             # in the stream's dtype, as ``KIVICache`` quantizes (the cache may be wider: values stay exact)
             k_cache[:, :, done], v_cache[:, :, done] = kv_quant.round_trip(
-                k_cache[:, :, done].to(self.dtype), v_cache[:, :, done].to(self.dtype), s)
+                k_cache[:, :, done].to(self.dtype), v_cache[:, :, done].to(self.dtype), s
+            )
         self.quantized_upto += n
 
     def subset(self, keep: list[int]) -> Engine:
@@ -296,8 +330,10 @@ class Engine:
             self._flush_kv()  # lazily, so a rolled-back candidate is never quantized
         start, count = self.length, ids.numel()
         if start + count > self.context:
-            raise DecodeError(f"{start + count} tokens do not fit: the model's context is {self.context} tokens; "
-                              "shorten the prompt or ask for fewer new tokens")
+            raise DecodeError(
+                f"{start + count} tokens do not fit: the model's context is {self.context} tokens; "
+                "shorten the prompt or ask for fewer new tokens"
+            )
         if start + count > self.max_len:
             self._allocate(max(2 * self.max_len, start + count))
         return ids, start, count
@@ -318,7 +354,11 @@ class Engine:
             logits = self.logits(self._body(ids, positions, start + 1, exit_when=exit_when))
         elif self.graphs and count <= self.step_rows and start + self.step_rows <= self.context:
             logits = self._replay(ids, start)
-        elif self.compiled is not None and count <= self.step_rows and start + self.step_rows + SPAN_ALIGN <= self.context:
+        elif (
+            self.compiled is not None
+            and count <= self.step_rows
+            and start + self.step_rows + SPAN_ALIGN <= self.context
+        ):
             logits = self._run_compiled(ids, start)  # (near the end of the context: eager, below)
         else:
             x = self._body(ids, positions, start + count)
@@ -424,8 +464,16 @@ class Engine:
             masks[window] = causal & (positions[:, None] - slots[None, :] < window)
         return masks
 
-    def _body(self, ids: torch.Tensor, positions: torch.Tensor, span: int, static: bool = False,
-              exit_when=None, cache=None, tree: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def _body(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        span: int,
+        static: bool = False,
+        exit_when=None,
+        cache=None,
+        tree: list[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """The decoder blocks over new tokens at ``positions``, attending to cache slots ``[0, span)``;
         ``static``: every token under a mask (the span may run past the tokens), no value read
         back to the host, and matmuls over all rows at once (fixed shapes, for a CUDA graph or a
@@ -454,17 +502,30 @@ class Engine:
             # index_copy_ on the cache itself, not an assignment through a view of it: compiled,
             # the assignment became a copy of the whole cache and a copy back, every layer and step
             k_cache.index_copy_(2, slots, k[None].to(k_cache.dtype))
-            v_cache.index_copy_(2, slots, v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)[None]
-                                .to(v_cache.dtype))
+            v_cache.index_copy_(
+                2, slots, v.view(count, self.kv_heads, self.head_dim).transpose(0, 1)[None].to(v_cache.dtype)
+            )
             if exited is not None:  # after an early exit a layer only writes its keys and values
                 continue
             if tree is not None:
-                attn = torch.cat([self._attention(q[:, i : i + 1], k_cache[0][:, seen], v_cache[0][:, seen], None,
-                                                  None, torch.tensor([len(seen) - 1], device=self.device))
-                                  for i, seen in enumerate(tree)], 1)
+                attn = torch.cat(
+                    [
+                        self._attention(
+                            q[:, i : i + 1],
+                            k_cache[0][:, seen],
+                            v_cache[0][:, seen],
+                            None,
+                            None,
+                            torch.tensor([len(seen) - 1], device=self.device),
+                        )
+                        for i, seen in enumerate(tree)
+                    ],
+                    1,
+                )
             else:
-                attn = self._attention(q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window],
-                                       layer.window, positions, static)
+                attn = self._attention(
+                    q, k_cache[0, :, :span], v_cache[0, :, :span], masks[layer.window], layer.window, positions, static
+                )
             h = layer.o(attn.transpose(0, 1).reshape(count, self.q_size), static)
             x = x + (layer.post_attn_norm(h) if layer.post_attn_norm is not None else h)
             gate, up = layer.gate_up(layer.mlp_norm(x), static).chunk(2, -1)
@@ -485,21 +546,24 @@ class Engine:
         whole span (its exactness comes from padding every step to the same rows: ``_replay``).
         On an AVX2 CPU with an fp32 cache, steps run ``native``'s attention, row by row by design."""
         if self.native_attention and q.shape[1] <= kernels.VERIFY_ROWS:
-            return torch.ops.compress.decode_attention(q.to(k.dtype), k, v, positions, window or 0,
-                                                       self.scaling).to(q.dtype)
+            return torch.ops.compress.decode_attention(q.to(k.dtype), k, v, positions, window or 0, self.scaling).to(
+                q.dtype
+            )
         if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS or static:
             return self._sdpa(q, k, v, mask)
         rows = []
         for i, end in enumerate((positions + 1).tolist()):
-            rows.append(self._sdpa(q[:, i : i + 1], k[:, :end], v[:, :end],
-                                   None if window is None else mask[i : i + 1, :end]))
+            rows.append(
+                self._sdpa(q[:, i : i + 1], k[:, :end], v[:, :end], None if window is None else mask[i : i + 1, :end])
+            )
         return torch.cat(rows, 1)
 
     def _sdpa(self, q, k, v, mask):
         dtype, q = q.dtype, q.to(k.dtype)  # the cache's dtype (``cache_dtype``)
         if self.softcap_attn is None:
-            return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=self.scaling,
-                                                  enable_gqa=True)[0].to(dtype)
+            return F.scaled_dot_product_attention(
+                q[None], k[None], v[None], attn_mask=mask, scale=self.scaling, enable_gqa=True
+            )[0].to(dtype)
         groups = self.heads // self.kv_heads  # soft-capped scores: SDPA cannot, so spelled out
         k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
         scores = torch.tanh(q @ k.transpose(1, 2) * self.scaling / self.softcap_attn) * self.softcap_attn
@@ -509,14 +573,17 @@ class Engine:
 
     def describe(self) -> str:
         """Which kernel each linear group runs on, and what a one-token call of the group took."""
-        return "; ".join(f"{name}: {fmt}" + (f" ({self.timings[name][fmt]:.2f} ms/token)"
-                                            if fmt in self.timings.get(name, {}) else "")
-                         for name, fmt in self.formats.items())
+        return "; ".join(
+            f"{name}: {fmt}"
+            + (f" ({self.timings[name][fmt]:.2f} ms/token)" if fmt in self.timings.get(name, {}) else "")
+            for name, fmt in self.formats.items()
+        )
 
     def weight_bytes(self) -> int:
         """Bytes one decoded token reads from weights (every linear once; the embedding row is noise)."""
-        return self.lm_head.nbytes + sum(m.nbytes for layer in self.layers
-                                         for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        return self.lm_head.nbytes + sum(
+            m.nbytes for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
 
 
 class _Step(torch.nn.Module):
@@ -552,19 +619,39 @@ def _step_tensors(engine: Engine) -> list[torch.Tensor]:
     """Every tensor a compiled step reads besides its inputs: the weights it freezes in."""
     layers = engine.layers
     matmuls = [m for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [engine.lm_head]
-    norms = [n for layer in layers for n in (layer.attn_norm, layer.mlp_norm, layer.post_attn_norm,
-                                             layer.post_mlp_norm, layer.q_norm, layer.k_norm)]
-    return ([t for m in matmuls for t in m.tensors()] + [engine.embed, engine.final_norm.weight]
-            + [n.weight for n in norms if n is not None])
+    norms = [
+        n
+        for layer in layers
+        for n in (
+            layer.attn_norm,
+            layer.mlp_norm,
+            layer.post_attn_norm,
+            layer.post_mlp_norm,
+            layer.q_norm,
+            layer.k_norm,
+        )
+    ]
+    return (
+        [t for m in matmuls for t in m.tensors()]
+        + [engine.embed, engine.final_norm.weight]
+        + [n.weight for n in norms if n is not None]
+    )
 
 
 def _fingerprint(engine: Engine) -> str:
     """What a compiled package depends on: torch, this machine's CPU, the engine's settings and
     code, and every byte of its weights (a stale package would decode wrong tokens silently)."""
     digest = hashlib.blake2b(digest_size=16)
-    settings = [kernels.machine_key(engine.device), str(engine.device), str(engine.dtype),
-                engine.step_rows, sorted(engine.formats.items()), engine.native_attention, INDUCTOR_OPTIONS,
-                engine.config.to_json_string()]
+    settings = [
+        kernels.machine_key(engine.device),
+        str(engine.device),
+        str(engine.dtype),
+        engine.step_rows,
+        sorted(engine.formats.items()),
+        engine.native_attention,
+        INDUCTOR_OPTIONS,
+        engine.config.to_json_string(),
+    ]
     digest.update(repr(settings).encode())
     for module in (sys.modules[__name__], kernels):  # the code that builds the graph
         digest.update(Path(module.__file__).read_bytes())
@@ -589,20 +676,36 @@ def _compiled(engine: Engine):
                 step.built = False
                 return torch._inductor.aoti_load_package(str(path))
             except Exception as e:  # noqa: BLE001 - a damaged package (a killed writer cannot leave one): rebuild
-                print(f"[decode engine: could not load {path.name} ({type(e).__name__}); compiling again]",
-                      file=sys.stderr)
+                print(
+                    f"[decode engine: could not load {path.name} ({type(e).__name__}); compiling again]",
+                    file=sys.stderr,
+                )
         rows, length = engine.step_rows, 3 * SPAN_ALIGN  # examples: the span and cache length differ
-        cache = [torch.zeros(1, engine.kv_heads, length, engine.head_dim, dtype=engine.cache_dtype,
-                             device=engine.device)
-                 for _ in engine.layers]
-        tables = [tuple(torch.zeros(length, engine.head_dim, dtype=engine.dtype, device=engine.device)
-                        for _ in range(2)) for _ in engine.rotary]
-        example = (torch.zeros(rows, dtype=torch.long, device=engine.device),
-                   torch.arange(rows, device=engine.device), torch.empty(SPAN_ALIGN, dtype=torch.int8),
-                   cache, [c.clone() for c in cache], tables)
+        cache = [
+            torch.zeros(1, engine.kv_heads, length, engine.head_dim, dtype=engine.cache_dtype, device=engine.device)
+            for _ in engine.layers
+        ]
+        tables = [
+            tuple(torch.zeros(length, engine.head_dim, dtype=engine.dtype, device=engine.device) for _ in range(2))
+            for _ in engine.rotary
+        ]
+        example = (
+            torch.zeros(rows, dtype=torch.long, device=engine.device),
+            torch.arange(rows, device=engine.device),
+            torch.empty(SPAN_ALIGN, dtype=torch.int8),
+            cache,
+            [c.clone() for c in cache],
+            tables,
+        )
         span, slots = torch.export.Dim("span", min=2), torch.export.Dim("slots", min=2)
-        dynamic = (None, None, {0: span}, [{2: slots}] * len(cache), [{2: slots}] * len(cache),
-                   [({0: slots}, {0: slots})] * len(tables))
+        dynamic = (
+            None,
+            None,
+            {0: span},
+            [{2: slots}] * len(cache),
+            [{2: slots}] * len(cache),
+            [({0: slots}, {0: slots})] * len(tables),
+        )
         step.built = True
         with torch.no_grad():
             program = torch.export.export(_Step(engine), example, dynamic_shapes=dynamic, strict=False)
@@ -613,8 +716,9 @@ def _compiled(engine: Engine):
                     stale.unlink()
         partial = path.with_name(f"{path.stem}.{os.getpid()}.partial.pt2")  # the packager wants .pt2
         try:
-            torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
-                                                     inductor_configs=dict(INDUCTOR_OPTIONS))  # it adds keys
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=str(partial), inductor_configs=dict(INDUCTOR_OPTIONS)
+            )  # it adds keys
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)

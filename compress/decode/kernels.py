@@ -62,8 +62,15 @@ def _w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | Non
     if scheme is None or scheme.input_activations is None or not hasattr(linear, "weight_scale"):
         return None
     w, a = scheme.weights, scheme.input_activations
-    ok = (w.num_bits == 8 and w.symmetric and str(w.strategy).endswith("channel") and a.num_bits == 8
-          and a.symmetric and a.dynamic and str(a.strategy).endswith("token"))
+    ok = (
+        w.num_bits == 8
+        and w.symmetric
+        and str(w.strategy).endswith("channel")
+        and a.num_bits == 8
+        and a.symmetric
+        and a.dynamic
+        and str(a.strategy).endswith("token")
+    )
     if not ok:
         return None
     scale = linear.weight_scale.data
@@ -122,8 +129,11 @@ def use_onednn(model: nn.Module) -> int:
     if not onednn_available():
         return 0
     output = model.get_output_embeddings()
-    swaps = [(name, m) for name, m in model.named_modules()
-             if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+    swaps = [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+    ]
     for name, linear in swaps:
         parent, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent), leaf, OneDNNLinear(linear, keep_dense=linear is not output))
@@ -155,8 +165,11 @@ def attach_from_export(model: nn.Module, folder: str | Path) -> int:
                 shape = torch.Size(f.get_tensor(f"{name}.weight_shape").tolist())
                 q = unpack_from_int32(f.get_tensor(key), bits, shape)
                 scale = f.get_tensor(f"{name}.weight_scale")
-                zero = (unpack_from_int32(f.get_tensor(f"{name}.weight_zero_point"), bits, scale.shape, packed_dim=0)
-                        if not symmetric else torch.zeros(scale.shape, dtype=torch.int8))
+                zero = (
+                    unpack_from_int32(f.get_tensor(f"{name}.weight_zero_point"), bits, scale.shape, packed_dim=0)
+                    if not symmetric
+                    else torch.zeros(scale.shape, dtype=torch.int8)
+                )
                 group = shape[1] // scale.shape[1]
                 scheme = QuantScheme(bits, -1 if scale.shape[1] == 1 else group, symmetric)
                 model.get_submodule(name).quantized = QuantizedWeight(scheme, q.to(torch.int8), scale, zero)
@@ -284,8 +297,9 @@ class Int4(Matmul):
         self.group_size = q.shape[1] // scale.shape[1]
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
         scale = scale.float()
-        self.scales_and_zeros = torch.stack([scale, -zero.float() * scale], -1).transpose(0, 1).contiguous() \
-            .to(self.dtype)
+        self.scales_and_zeros = (
+            torch.stack([scale, -zero.float() * scale], -1).transpose(0, 1).contiguous().to(self.dtype)
+        )
         self.nbytes = q.numel() // 2 + self.scales_and_zeros.nbytes
         self.out_features, self.in_features = q.shape
 
@@ -345,11 +359,13 @@ class Int4CUDA(Matmul):
         self.group_size = q.shape[1] // scale.shape[1]
         u = (q.to(torch.int32) + 8).to(device)
         inner_k_tiles = next(t for t in (8, 4, 2) if q.shape[1] % (16 * t) == 0)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack((u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8),
-                                                                 inner_k_tiles)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack(
+            (u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8), inner_k_tiles
+        )
         scale = scale.float()
-        self.scales_and_zeros = torch.stack([scale, -zero.float() * scale], -1).transpose(0, 1).contiguous() \
-            .to(device, self.dtype)
+        self.scales_and_zeros = (
+            torch.stack([scale, -zero.float() * scale], -1).transpose(0, 1).contiguous().to(device, self.dtype)
+        )
         self.nbytes = q.numel() // 2 + self.scales_and_zeros.nbytes
         self.out_features, self.in_features = q.shape
 
@@ -417,7 +433,8 @@ def _bias(linears: list) -> torch.Tensor | None:
 def exact_formats(linears: list, device: torch.device) -> list[str]:
     """The formats that hold every linear of the group exactly, on ``device``."""
     if all(_w8a8_integers(lin) is not None for lin in linears) and (
-            device.type == "cpu" or linears[0].in_features % 8 == sum(lin.out_features for lin in linears) % 8 == 0):
+        device.type == "cpu" or linears[0].in_features % 8 == sum(lin.out_features for lin in linears) % 8 == 0
+    ):
         return ["w8a8"]  # its activations are int8 by design: the float formats would not be W8A8
     if device.type != "cpu":
         return ["dense"] + (["int4"] if _int4_fits(linears, device) else [])
@@ -438,18 +455,25 @@ def exact_formats(linears: list, device: torch.device) -> list[str]:
 
 def _native_int4_fits(linears: list) -> bool:
     qws = [quantized_of(lin) for lin in linears]
-    return (all(qw is not None and qw.scheme.bits == 4 for qw in qws) and len({qw.scale.shape[1] for qw in qws}) == 1
-            and linears[0].in_features % 64 == 0 and linears[0].in_features // qws[0].scale.shape[1] in INT4_GROUPS)
+    return (
+        all(qw is not None and qw.scheme.bits == 4 for qw in qws)
+        and len({qw.scale.shape[1] for qw in qws}) == 1
+        and linears[0].in_features % 64 == 0
+        and linears[0].in_features // qws[0].scale.shape[1] in INT4_GROUPS
+    )
 
 
 def _int4_fits(linears: list, device: torch.device) -> bool:
     """W4 integers recorded on every linear, one group size the kernel takes, shapes it tiles."""
     qws = [quantized_of(lin) for lin in linears]
-    return (int4_kernel_available(device) and all(qw is not None and qw.scheme.bits == 4 for qw in qws)
-            and len({qw.scale.shape[1] for qw in qws}) == 1
-            and linears[0].in_features // qws[0].scale.shape[1] in INT4_GROUPS
-            and sum(lin.out_features for lin in linears) % 16 == 0
-            and (device.type == "cpu" or linears[0].in_features % 32 == 0))
+    return (
+        int4_kernel_available(device)
+        and all(qw is not None and qw.scheme.bits == 4 for qw in qws)
+        and len({qw.scale.shape[1] for qw in qws}) == 1
+        and linears[0].in_features // qws[0].scale.shape[1] in INT4_GROUPS
+        and sum(lin.out_features for lin in linears) % 16 == 0
+        and (device.type == "cpu" or linears[0].in_features % 32 == 0)
+    )
 
 
 def build(fmt: str, linears: list, device: torch.device, traceable: bool = False) -> Matmul:
@@ -470,8 +494,10 @@ def build(fmt: str, linears: list, device: torch.device, traceable: bool = False
     if fmt == "w8a8":
         q, scale = zip(*(_w8a8_integers(lin) for lin in linears))
         return W8A8(torch.cat(q), torch.cat(scale), bias, device)
-    qws = [quantized_of(lin) or quantize_weight(lin.weight.detach().float(), _LOSSY[fmt](lin), torch.bfloat16)
-           for lin in linears]
+    qws = [
+        quantized_of(lin) or quantize_weight(lin.weight.detach().float(), _LOSSY[fmt](lin), torch.bfloat16)
+        for lin in linears
+    ]
     if fmt == "int8":
         return Int8(torch.cat([qw.q for qw in qws]), torch.cat([qw.scale for qw in qws]), bias)
     if fmt in ("int4", "int4-avx2"):
@@ -488,26 +514,29 @@ def _int4_group(lin) -> int:
     return next(g for g in (128, 64, 32) if lin.in_features % g == 0)
 
 
-_LOSSY = {"int8": lambda lin: QuantScheme(8, -1, True),
-          "int4": lambda lin: QuantScheme(4, _int4_group(lin), True),
-          "int4-avx2": lambda lin: QuantScheme(4, _int4_group(lin), True)}
+_LOSSY = {
+    "int8": lambda lin: QuantScheme(8, -1, True),
+    "int4": lambda lin: QuantScheme(4, _int4_group(lin), True),
+    "int4-avx2": lambda lin: QuantScheme(4, _int4_group(lin), True),
+}
 
 
 def rtn_w4(linear: nn.Linear) -> nn.Linear:
     """A copy of ``linear`` rounded to 4 bits (round-to-nearest, symmetric, largest group of
     128/64/32 that divides its width) with its integers recorded, for an in-memory W4 draft."""
-    out = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    device="meta")
+    out = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
     out.bias = linear.bias
     qw = quantize_weight(linear.weight.detach().float(), _LOSSY["int4"](linear), torch.bfloat16)
-    out.weight = nn.Parameter(dequantize(qw.q, qw.scale, qw.zero_point, torch.bfloat16).to(linear.weight.dtype),
-                              requires_grad=False)
+    out.weight = nn.Parameter(
+        dequantize(qw.q, qw.scale, qw.zero_point, torch.bfloat16).to(linear.weight.dtype), requires_grad=False
+    )
     out.quantized = qw
     return out
 
 
-def _time_one_row(matmuls: list[Matmul], width: int, dtype: torch.dtype, device: torch.device,
-                  repeats: int = 7) -> float:
+def _time_one_row(
+    matmuls: list[Matmul], width: int, dtype: torch.dtype, device: torch.device, repeats: int = 7
+) -> float:
     """Fastest of ``repeats`` ms to push one row through every matmul in turn (the weights stream
     as in decoding); the minimum, since other work on the machine can only add time."""
     x = torch.randn(1, width, dtype=dtype, device=device)
@@ -527,8 +556,11 @@ def _time_one_row(matmuls: list[Matmul], width: int, dtype: torch.dtype, device:
 def machine_key(device: torch.device) -> str:
     """What a timing or a compiled kernel depends on: torch, the CPU (model and ISA flags) or GPU."""
     info = Path("/proc/cpuinfo")
-    cpu = [line for line in info.read_text().splitlines() if line.startswith(("model name", "flags"))][:2] \
-        if info.exists() else [platform.processor()]
+    cpu = (
+        [line for line in info.read_text().splitlines() if line.startswith(("model name", "flags"))][:2]
+        if info.exists()
+        else [platform.processor()]
+    )
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     return repr([torch.__version__, platform.machine(), cpu, gpu])
 
@@ -568,9 +600,13 @@ def _keep_timed(key: str, measured: dict[str, float], device: torch.device) -> N
         pass  # a read-only or damaged cache: this process still keeps the timings
 
 
-def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
-           lossy: dict[str, str] | None = None,
-           compiled: bool = False) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
+def choose(
+    groups: dict[str, list[list]],
+    kernel: str,
+    device: torch.device,
+    lossy: dict[str, str] | None = None,
+    compiled: bool = False,
+) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
     """The format of each linear group (name -> per-layer lists of linears), and what each
     timed candidate took for one token (ms over all layers).
 
@@ -587,21 +623,26 @@ def choose(groups: dict[str, list[list]], kernel: str, device: torch.device,
     for name, layers in groups.items():
         if lossy and name in lossy:  # a lossy int4 on a CPU may run on either int4 kernel: the faster one
             native_fits = device.type == "cpu" and layers[0][0].in_features % 64 == 0 and native.available()
-            exact = [lossy[name]] + (["int4-avx2"] if lossy[name] == "int4" and kernel == "auto" and native_fits
-                                     else [])
+            exact = [lossy[name]] + (
+                ["int4-avx2"] if lossy[name] == "int4" and kernel == "auto" and native_fits else []
+            )
             if len(exact) == 1:
                 formats[name] = exact[0]
                 continue
         else:
-            exact = [f for f in exact_formats(layers[0], device)
-                     if all(f in exact_formats(lins, device) for lins in layers[1:])] or ["fp32"]
+            exact = [
+                f
+                for f in exact_formats(layers[0], device)
+                if all(f in exact_formats(lins, device) for lins in layers[1:])
+            ] or ["fp32"]
         if compiled and kernel == "auto" and "bf16" in exact:
             exact = [f for f in exact if f == "bf16" or f not in FLOAT_FORMATS]
         if kernel == "auto" and len(exact) == 1:
             formats[name] = exact[0]
         elif kernel == "auto":
-            key = repr((str(device), name, len(layers), [(lin.out_features, lin.in_features) for lin in layers[0]],
-                        exact))
+            key = repr(
+                (str(device), name, len(layers), [(lin.out_features, lin.in_features) for lin in layers[0]], exact)
+            )
             measured = _timed(key, device)
             if measured is None:
                 width, measured = layers[0][0].in_features, {}

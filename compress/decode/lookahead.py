@@ -93,9 +93,13 @@ class _TransformersTree:
         t, dtype = self.length, next(self.model.parameters()).dtype
         mask = torch.cat([torch.ones(len(ids), t, dtype=torch.bool), visible], 1)
         mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
-        out = self.model(input_ids=torch.tensor([ids], device=self.device),
-                         position_ids=(t + offsets).unsqueeze(0).to(self.device),
-                         attention_mask=mask[None, None].to(self.device), past_key_values=self.cache, use_cache=True)
+        out = self.model(
+            input_ids=torch.tensor([ids], device=self.device),
+            position_ids=(t + offsets).unsqueeze(0).to(self.device),
+            attention_mask=mask[None, None].to(self.device),
+            past_key_values=self.cache,
+            use_cache=True,
+        )
         return out.logits[0].float()
 
     def keep(self, length: int, extra: list[int]) -> None:
@@ -119,8 +123,9 @@ def _tree_runner(model):
     return runner, runner.window, 1 << 62
 
 
-def accept_candidates(candidates: list[list[int]], begins: list[int], logits: torch.Tensor, sampling: Sampling,
-                      generator: torch.Generator) -> tuple[int | None, int, int]:
+def accept_candidates(
+    candidates: list[list[int]], begins: list[int], logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
+) -> tuple[int | None, int, int]:
     """Verify several candidates at once, walking them as a tree.
 
     At depth ``n`` the alive candidates share the accepted prefix, so any one's logits row is
@@ -154,8 +159,16 @@ def accept_candidates(candidates: list[list[int]], begins: list[int], logits: to
 
 
 @torch.no_grad()
-def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3, ngram: int = 3,
-              guesses: int = 5, eos: set[int] = frozenset(), sampling: Sampling = Sampling()) -> DecodeResult:
+def lookahead(
+    model,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    window: int = 3,
+    ngram: int = 3,
+    guesses: int = 5,
+    eos: set[int] = frozenset(),
+    sampling: Sampling = Sampling(),
+) -> DecodeResult:
     """Decoding with a ``window`` × ``ngram - 1`` Jacobi window and up to ``guesses`` pool
     candidates verified per forward, on the decode engine or a transformers model: greedy
     (token-identical to greedy decoding) or sampled (the target's distribution). The paper's
@@ -168,13 +181,17 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
     runner, limit, most_rows = _tree_runner(model)
     guesses = max(0, min(guesses, (most_rows - 1) // (ngram - 1) - window))
     if 1 + window * (ngram - 1) > most_rows:
-        raise DecodeError(f"a lookahead step of --window {window} and --ngram {ngram} holds more than {most_rows} "
-                          "tokens, the most the engine scores exactly: make them smaller")
+        raise DecodeError(
+            f"a lookahead step of --window {window} and --ngram {ngram} holds more than {most_rows} "
+            "tokens, the most the engine scores exactly: make them smaller"
+        )
     start = time.perf_counter()
     context = prompt.reshape(-1).tolist()
     if len(context) + max_new_tokens + window * (ngram - 1) + guesses * (ngram - 1) >= limit:
-        raise DecodeError(f"lookahead decoding needs the whole context inside the model's sliding window ({limit} "
-                          "tokens): shorten the prompt or --max-new-tokens, or use --method prompt-lookup")
+        raise DecodeError(
+            f"lookahead decoding needs the whole context inside the model's sliding window ({limit} "
+            "tokens): shorten the prompt or --max-new-tokens, or use --method prompt-lookup"
+        )
     pool = NgramPool(guesses)
     pool.seed(context, ngram)
     generator = torch.Generator().manual_seed(sampling.seed)  # the window's first guesses, and sampling
@@ -212,5 +229,6 @@ def lookahead(model, prompt: torch.Tensor, max_new_tokens: int, window: int = 3,
         for i in range(max(0, len(context) - len(kept) - ngram + 1), len(context) - ngram + 1):
             pool.add(context[i], tuple(context[i + 1 : i + ngram]))  # the output seeds the pool too
     sync(runner.device)
-    return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted,
-                        extra={"guesses": guesses})
+    return DecodeResult(
+        tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted, extra={"guesses": guesses}
+    )

@@ -137,8 +137,9 @@ def accept_greedy(candidates: list[int], target_logits: torch.Tensor) -> tuple[i
     return n, choices[n]
 
 
-def accept_sampled(candidates: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-                   generator: torch.Generator) -> tuple[int, int]:
+def accept_sampled(
+    candidates: list[int], target_probs: torch.Tensor, draft_probs: torch.Tensor | None, generator: torch.Generator
+) -> tuple[int, int]:
     """The speculative rejection rule: keep candidate i with probability min(1, p_i / q_i); at the
     first rejection draw from normalize(max(0, p − q)); if all are kept, draw from the target.
     ``draft_probs`` None: deterministic candidates (q is one-hot)."""
@@ -154,8 +155,16 @@ def accept_sampled(candidates: list[int], target_probs: torch.Tensor, draft_prob
 
 
 @torch.no_grad()
-def speculate(model, prompt: torch.Tensor, max_new_tokens: int, proposer, k: int = 8,
-              sampling: Sampling = Sampling(), eos: set[int] = frozenset(), cache=None) -> DecodeResult:
+def speculate(
+    model,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    proposer,
+    k: int = 8,
+    sampling: Sampling = Sampling(),
+    eos: set[int] = frozenset(),
+    cache=None,
+) -> DecodeResult:
     """Propose up to ``k`` tokens, verify them in one target forward, keep what the target accepts."""
     runner, start = runner_for(model, cache), time.perf_counter()
     k = min(k, getattr(runner, "step_tokens", k + 1) - 1)  # a compiled engine's verify step has fixed rows

@@ -45,11 +45,29 @@ def _build(target: Path, compiler: str) -> None:
     """Compile the source into ``target`` (written under another name, then renamed: atomic)."""
     root = Path(torch.__file__).parent
     partial = target.with_name(f"{target.stem}.{os.getpid()}.partial.so")
-    command = [compiler, "-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=c++17", "-w",
-               f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-               f"-I{root / 'include'}", f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-               str(SOURCE), f"-L{root / 'lib'}", "-ltorch", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{root / 'lib'}",
-               "-o", str(partial)]
+    command = [
+        compiler,
+        "-O3",
+        "-march=native",
+        "-mavx2",
+        "-mfma",
+        "-fopenmp",
+        "-shared",
+        "-fPIC",
+        "-std=c++17",
+        "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        str(SOURCE),
+        f"-L{root / 'lib'}",
+        "-ltorch",
+        "-ltorch_cpu",
+        "-lc10",
+        f"-Wl,-rpath,{root / 'lib'}",
+        "-o",
+        str(partial),
+    ]
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
         subprocess.run(command, check=True, capture_output=True, text=True)
@@ -77,8 +95,11 @@ def available() -> bool:
         torch.ops.load_library(str(target))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", None) or str(e)
-        print(f"[decode: the AVX2 kernels did not build ({detail.strip().splitlines()[-1][:160]}); "
-              "using torch's kernels]", file=sys.stderr)
+        print(
+            f"[decode: the AVX2 kernels did not build ({detail.strip().splitlines()[-1][:160]}); "
+            "using torch's kernels]",
+            file=sys.stderr,
+        )
         return False
     _register_shapes()
     return True
@@ -86,6 +107,7 @@ def available() -> bool:
 
 def _register_shapes() -> None:
     """Output shapes for tracing (torch.export, AOTInductor): the C++ ops compute on real tensors only."""
+
     @torch.library.register_fake("compress::bf16_matmul")
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])

@@ -16,9 +16,9 @@ def default_token_cost(target) -> float:
     that works row by row (``kernels.rows_ride_along``: the int4 and int8 kernels, bf16 on an
     AVX2-only CPU) pays most of a step per token: 0.5–0.7 measured on a Zen 3 EPYC with bf16
     weights (a 2-token step cost 1.5 one-token steps, an 8-token one 5.5: ``scripts/step_cost.py``),
-    so it is priced at 0.7 and candidates are sent only where they are nearly sure. On a GPU a few more tokens ride along with the weight reads, so
-    they are taken as free; so are they on a compiled engine, whose every step computes a fixed
-    number of rows (``Engine.step_rows``).
+    so it is priced at 0.7 and candidates are sent only where they are nearly sure. On a GPU a
+    few more tokens ride along with the weight reads, so they are taken as free; so are they on a
+    compiled engine, whose every step computes a fixed number of rows (``Engine.step_rows``).
     """
     if getattr(target, "compiled", None) is not None or target.device.type != "cpu":
         return 0.0
@@ -45,12 +45,16 @@ class PromptLookup:
     requests), a longer match there beats the context's; its matches keep rates of their own.
     """
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, token_cost: float = 0.0, memory: float = 0.95,
-                 store=None):
+    def __init__(
+        self, max_ngram: int = 3, min_ngram: int = 1, token_cost: float = 0.0, memory: float = 0.95, store=None
+    ):
         self.max_ngram, self.min_ngram, self.token_cost, self.memory = max_ngram, min_ngram, token_cost, memory
         self.store = store  # a ``Datastore`` of earlier outputs, consulted when it matches longer than the context
-        keys = [(n, source) for n in range(1, max(max_ngram, store.max_ngram if store else 0) + 1)
-                for source in ("context", "store")]
+        keys = [
+            (n, source)
+            for n in range(1, max(max_ngram, store.max_ngram if store else 0) + 1)
+            for source in ("context", "store")
+        ]
         self.hits = {key: [1.0, 1.0] for key in keys}  # [first, rest]; prior: both 1/2
         self.tries = {key: [2.0, 2.0] for key in keys}
         self.pending = []  # (context position, candidates, key) not yet scored

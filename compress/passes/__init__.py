@@ -15,8 +15,21 @@ from .smoothquant import SmoothQuant
 from .sparsegpt import SparseGPT
 from .wanda import Wanda
 
-PASSES = (RTN, GPTQ, AWQ, Magnitude, Wanda, SparseGPT, LowRank, LoRC, SmoothQuant, KVCachePass, Blockwise, Distill,
-          QLoRA)
+PASSES = (
+    RTN,
+    GPTQ,
+    AWQ,
+    Magnitude,
+    Wanda,
+    SparseGPT,
+    LowRank,
+    LoRC,
+    SmoothQuant,
+    KVCachePass,
+    Blockwise,
+    Distill,
+    QLoRA,
+)
 REGISTRY: dict[str, type[LayerPass]] = {cls.name: cls for cls in PASSES}
 
 __all__ = ["REGISTRY", "LayerPass", "ModelPass", "RecipeError"]

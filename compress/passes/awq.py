@@ -2,7 +2,8 @@
 rounding, and fold the inverse scale into the op that produces them.
 
 Per mapping (norm -> q/k/v, v -> o when shapes allow, norm -> gate/up, up -> down):
-``s = mean|x|^α``, α on a grid, chosen to minimise the error of the inspected module's output (attention, MLP, or the linear); ``W·diag(s)`` and ``prev / s`` leave the float block unchanged.
+``s = mean|x|^α``, α on a grid, chosen to minimise the error of the inspected module's output
+(attention, MLP, or the linear); ``W·diag(s)`` and ``prev / s`` leave the float block unchanged.
 Then a per-group clipping search, then rounding (RTN, or leave it to a following
 ``gptq`` pass with ``quantize: false``). All scales are searched on the float
 block, from one observation of its inputs, as in the reference implementation.
@@ -55,8 +56,9 @@ class _Inputs:
 
 
 @torch.no_grad()
-def search_scale(inputs: _Inputs, linears: list[torch.nn.Linear], forward, scheme: QuantScheme,
-                 grid: int) -> torch.Tensor:
+def search_scale(
+    inputs: _Inputs, linears: list[torch.nn.Linear], forward, scheme: QuantScheme, grid: int
+) -> torch.Tensor:
     """The α-grid search: the scale whose quantized ``forward`` outputs are closest to the float ones.
 
     ``forward(x)`` runs the inspected module (attention, MLP or the linear) on one sample.
@@ -100,8 +102,9 @@ def fold(block: torch.nn.Module, mapping: Scaling, s: torch.Tensor, norm_plus_on
 
 
 @torch.no_grad()
-def search_clip(w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float,
-                tokens: int = 512) -> torch.Tensor:
+def search_clip(
+    w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float, tokens: int = 512
+) -> torch.Tensor:
     """Per (row, group) clipping of the weight range that minimises that group's output error."""
     rows, cols = w.shape
     gs = cols if scheme.group_size == -1 else scheme.group_size
@@ -160,8 +163,9 @@ class AWQ(WeightQuantPass):
             stat.rescale(s)  # the clip search sees the scaled block's inputs
         for name, lin in targets.items():
             if o.clip and not name.endswith(("q_proj", "k_proj")):  # q/k errors are amplified by softmax
-                lin.weight.data = search_clip(lin.weight.data, inputs[name].x, self.scheme, o.clip_grid,
-                                              o.max_shrink).to(lin.weight.dtype)
+                lin.weight.data = search_clip(
+                    lin.weight.data, inputs[name].x, self.scheme, o.clip_grid, o.max_shrink
+                ).to(lin.weight.dtype)
             if o.quantize:
                 attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import ClassVar, Literal, Optional, Union
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -76,15 +76,18 @@ class ModelPass(LayerPass):
 
     def order_problem(self, before, after):
         if later := [q for q in after if not isinstance(q, ModelPass)]:
-            return (f"trains the whole compressed model, so it must follow every block pass "
-                    f"({later[0].where} comes after it)")
+            return (
+                f"trains the whole compressed model, so it must follow every block pass "
+                f"({later[0].where} comes after it)"
+            )
         return recovery_problem(self, before)
 
     def apply(self, block, data, prefix: str) -> None:
         raise TypeError(f"{self.where} is a model pass; the pipeline calls apply_model")
 
-    def apply_model(self, model: torch.nn.Module, teacher: torch.nn.Module, ids: torch.Tensor,
-                    device: torch.device) -> None:
+    def apply_model(
+        self, model: torch.nn.Module, teacher: torch.nn.Module, ids: torch.Tensor, device: torch.device
+    ) -> None:
         raise NotImplementedError
 
 
@@ -120,7 +123,7 @@ class QuantSpec(PassOptions):
     """A weight quantization scheme as written in a recipe (``group_size: auto`` resolved at check)."""
 
     bits: Literal[2, 3, 4, 8] = 4
-    group_size: Union[Literal["auto"], int] = "auto"
+    group_size: Literal["auto"] | int = "auto"
     # Symmetric by default: transformers 5 + compressed-tensors 0.20 cannot reload asymmetric
     # pack-quantized checkpoints (vLLM can); see README "Known limits".
     symmetric: bool = True
@@ -152,12 +155,17 @@ def resolve_scheme(spec: QuantSpec, widths: dict[str, int], where: str) -> Quant
     if g != -1:
         bad = sorted({(_shape_pattern(n), w) for n, w in widths.items() if w % g})
         if bad:
-            raise RecipeError(f"{where}.group_size: {g} does not divide the input width of {_listed(bad)}; "
-                              "use group_size: auto, -1, or a divisor of every width")
+            raise RecipeError(
+                f"{where}.group_size: {g} does not divide the input width of {_listed(bad)}; "
+                "use group_size: auto, -1, or a divisor of every width"
+            )
     scheme = QuantScheme(spec.bits, g, spec.symmetric)
     if not scheme.symmetric:
-        warnings.warn(f"{where}.symmetric: false exports zero-points that vLLM reads but transformers "
-                      "5 with compressed-tensors 0.20 cannot reload (see README, Known limits)", stacklevel=3)
+        warnings.warn(
+            f"{where}.symmetric: false exports zero-points that vLLM reads but transformers "
+            "5 with compressed-tensors 0.20 cannot reload (see README, Known limits)",
+            stacklevel=3,
+        )
     return scheme
 
 
@@ -168,8 +176,11 @@ class LinearPass(LayerPass):
     dtype: torch.dtype
 
     def targets(self, block: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Linear]:
-        return {name: lin for name, lin in block_linears(block, self.arch).items()
-                if not any(matches(prefix + name, p) for p in self.options.ignore)}
+        return {
+            name: lin
+            for name, lin in block_linears(block, self.arch).items()
+            if not any(matches(prefix + name, p) for p in self.options.ignore)
+        }
 
     def target_groups(self, targets: dict) -> list[tuple[str, ...]]:
         """The architecture's input-sharing groups restricted to ``targets``, in forward order."""
@@ -184,8 +195,11 @@ class LinearPass(LayerPass):
         for pattern in self.options.ignore:
             if not any(matches(n, pattern) for n in all_names):
                 warnings.warn(f"{self.where}.ignore: pattern {pattern!r} matches no linear layer", stacklevel=2)
-        self.widths = {f"{prefix}{i}.{name}": lin.in_features for i, block in enumerate(decoder_layers(model))
-                       for name, lin in self.targets(block, f"{prefix}{i}.").items()}
+        self.widths = {
+            f"{prefix}{i}.{name}": lin.in_features
+            for i, block in enumerate(decoder_layers(model))
+            for name, lin in self.targets(block, f"{prefix}{i}.").items()
+        }
         if not self.widths:
             raise RecipeError(f"{self.where}.ignore: every linear layer is ignored, the pass would do nothing")
 
@@ -210,7 +224,7 @@ class WeightQuantPass(LinearPass):
 
 class PruneOptions(LinearOptions):
     pattern: str = "unstructured"  # or N:M, e.g. 2:4 (at most 2 non-zeros in every 4 inputs)
-    sparsity: Optional[float] = None  # unstructured: the share pruned (default 0.5); N:M fixes it
+    sparsity: float | None = None  # unstructured: the share pruned (default 0.5); N:M fixes it
     skip_indivisible: bool = False  # N:M on a layer whose width M does not divide: skip it instead of failing
 
     @model_validator(mode="after")
@@ -235,9 +249,11 @@ class PrunePass(LinearPass):
         m = self.pattern.m
         bad = {n: w for n, w in self.widths.items() if m and w % m}
         if bad and not self.options.skip_indivisible:
-            raise RecipeError(f"{self.where}.pattern: {self.options.pattern} needs input widths divisible by {m}, "
-                              f"not so for {_listed(sorted({(_shape_pattern(n), w) for n, w in bad.items()}))}; "
-                              "set skip_indivisible: true to leave them dense, or ignore them")
+            raise RecipeError(
+                f"{self.where}.pattern: {self.options.pattern} needs input widths divisible by {m}, "
+                f"not so for {_listed(sorted({(_shape_pattern(n), w) for n, w in bad.items()}))}; "
+                "set skip_indivisible: true to leave them dense, or ignore them"
+            )
         if bad:
             warnings.warn(f"{self.where}: {len(bad)} layers with widths not divisible by {m} stay dense", stacklevel=2)
             self.skipped = frozenset(bad)

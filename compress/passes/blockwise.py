@@ -45,8 +45,9 @@ class Blockwise(LinearPass):
         seed = torch.initial_seed() + int(prefix.rstrip(".").rpartition(".")[2])  # the recipe's, one per block
         trainables = Trainables(block, self.targets(block, prefix), o.train, self.dtype, seed=seed)
         if not trainables:
-            warnings.warn(f"{self.where}: nothing to train in {prefix.rstrip('.')} ({', '.join(o.train)})",
-                          stacklevel=2)
+            warnings.warn(
+                f"{self.where}: nothing to train in {prefix.rstrip('.')} ({', '.join(o.train)})", stacklevel=2
+            )
             return
         generator = torch.Generator().manual_seed(seed)
 
@@ -58,8 +59,9 @@ class Blockwise(LinearPass):
             return F.mse_loss(out.float(), target.float()) / target.float().pow(2).mean()
 
         try:
-            self.log[prefix.rstrip(".")] = train(trainables, loss_of, o.steps, o.lr, o.weight_lr,
-                                                 desc=f"reconstructing {prefix.rstrip('.')}")
+            self.log[prefix.rstrip(".")] = train(
+                trainables, loss_of, o.steps, o.lr, o.weight_lr, desc=f"reconstructing {prefix.rstrip('.')}"
+            )
         finally:
             trainables.finish()
 

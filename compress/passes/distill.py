@@ -11,7 +11,7 @@ quantized, so quantization grids and sparsity masks hold exactly.
 from __future__ import annotations
 
 import warnings
-from typing import Literal, Optional
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -29,26 +29,31 @@ class DistillOptions(RecoveryOptions):
     loss: Literal["forward_kl", "reverse_kl"] = "forward_kl"
     temperature: float = Field(1.0, gt=0)
     hidden_weight: float = Field(0.0, ge=0)  # adds this × the last hidden state's relative MSE
-    seqlen: Optional[int] = Field(None, gt=1)  # crop calibration samples to this many tokens
+    seqlen: int | None = Field(None, gt=1)  # crop calibration samples to this many tokens
     gradient_checkpointing: bool = False  # recompute activations in the backward: less memory, ~30% more time
     ignore: list[str] = ["lm_head"]
 
 
-def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0,
-                 kind: str = "forward_kl") -> torch.Tensor:
+def distill_loss(
+    student_logits: torch.Tensor, teacher_logits: torch.Tensor, temperature: float = 1.0, kind: str = "forward_kl"
+) -> torch.Tensor:
     """Mean per-token KL between the softened distributions, times T² (Hinton et al.'s scaling)."""
     s = F.log_softmax(student_logits.float() / temperature, -1).flatten(0, -2)
     t = F.log_softmax(teacher_logits.float() / temperature, -1).flatten(0, -2)
-    kl = F.kl_div(s, t, log_target=True, reduction="batchmean") if kind == "forward_kl" else \
-        F.kl_div(t, s, log_target=True, reduction="batchmean")
+    kl = (
+        F.kl_div(s, t, log_target=True, reduction="batchmean")
+        if kind == "forward_kl"
+        else F.kl_div(t, s, log_target=True, reduction="batchmean")
+    )
     return kl * temperature**2
 
 
 def _checkpointing(model, on: bool) -> None:
     """Activation checkpointing, by its transformers >= 5.20 name where there is one."""
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable({"use_reentrant": False}) if on else \
-            model.activation_checkpointing_disable()
+        model.activation_checkpointing_enable(
+            {"use_reentrant": False}
+        ) if on else model.activation_checkpointing_disable()
     elif on:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -69,9 +74,12 @@ class Distill(ModelPass):
 
     def linears(self, model) -> dict[str, torch.nn.Linear]:
         prefix = self.arch.layers + "."
-        return {f"{prefix}{i}.{name}": lin for i, block in enumerate(decoder_layers(model))
-                for name, lin in block_linears(block, self.arch).items()
-                if not any(matches(f"{prefix}{i}.{name}", p) for p in self.options.ignore)}
+        return {
+            f"{prefix}{i}.{name}": lin
+            for i, block in enumerate(decoder_layers(model))
+            for name, lin in block_linears(block, self.arch).items()
+            if not any(matches(f"{prefix}{i}.{name}", p) for p in self.options.ignore)
+        }
 
     def trainables(self, model) -> Trainables:
         return Trainables(model, self.linears(model), self.options.train, self.dtype, seed=torch.initial_seed())

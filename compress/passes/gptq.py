@@ -34,8 +34,9 @@ class GPTQ(WeightQuantPass):
         super().check(model)
         gs = self.scheme.group_size
         if gs != -1 and self.options.blocksize % gs:
-            raise RecipeError(f"{self.where}.blocksize: {self.options.blocksize} must be a multiple of the group "
-                              f"size {gs}")
+            raise RecipeError(
+                f"{self.where}.blocksize: {self.options.blocksize} must be a multiple of the group size {gs}"
+            )
 
     def apply(self, block, data, prefix: str) -> None:
         o = self.options
@@ -44,8 +45,9 @@ class GPTQ(WeightQuantPass):
             linears = [targets[name] for name in group]
             masks = [prune_mask_of(lin) for lin in linears]
             if not usable(H):
-                warnings.warn(f"{prefix}{'/'.join(group)}: no usable calibration input; falling back to RTN",
-                              stacklevel=2)
+                warnings.warn(
+                    f"{prefix}{'/'.join(group)}: no usable calibration input; falling back to RTN", stacklevel=2
+                )
                 for lin, mask in zip(linears, masks):
                     w = lin.weight.data if mask is None else lin.weight.data.masked_fill(mask, 0)
                     attach(lin, quantize_weight(w, self.scheme, self.dtype))
@@ -53,10 +55,23 @@ class GPTQ(WeightQuantPass):
             # Rows never interact in the sweep, so linears sharing an input (q/k/v, gate/up) go
             # through it as one stacked matrix: one factorisation, one pass over the columns.
             weight = torch.cat([lin.weight.data for lin in linears])
-            mask = torch.cat([m if m is not None else torch.zeros_like(lin.weight, dtype=torch.bool)
-                              for lin, m in zip(linears, masks)])  # no prune mask: nothing pruned
-            q = obs_sweep(weight, H.H, prefix + "/".join(group), scheme=self.scheme, dtype=self.dtype, mask=mask,
-                          percdamp=o.percdamp, blocksize=o.blocksize, actorder=o.actorder).quantized
+            mask = torch.cat(
+                [
+                    m if m is not None else torch.zeros_like(lin.weight, dtype=torch.bool)
+                    for lin, m in zip(linears, masks)
+                ]
+            )  # no prune mask: nothing pruned
+            q = obs_sweep(
+                weight,
+                H.H,
+                prefix + "/".join(group),
+                scheme=self.scheme,
+                dtype=self.dtype,
+                mask=mask,
+                percdamp=o.percdamp,
+                blocksize=o.blocksize,
+                actorder=o.actorder,
+            ).quantized
             rows = [lin.out_features for lin in linears]
             for lin, ints, scale, zero in zip(linears, q.q.split(rows), q.scale.split(rows), q.zero_point.split(rows)):
                 attach(lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone()))  # own storage each

@@ -41,8 +41,10 @@ class KVCachePass(LayerPass):
             raise RecipeError(f"{self.where}: no attention module found in {type(model).__name__}'s blocks")
         head_dim = attention[0].head_dim
         if head_dim % self.scheme.group_size:
-            raise RecipeError(f"{self.where}.group_size: {self.scheme.group_size} does not divide the head "
-                              f"dimension {head_dim}; use a divisor of it")
+            raise RecipeError(
+                f"{self.where}.group_size: {self.scheme.group_size} does not divide the head "
+                f"dimension {head_dim}; use a divisor of it"
+            )
 
     def apply(self, block, data, prefix: str) -> None:
         for attention in attention_modules(block):

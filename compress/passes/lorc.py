@@ -14,8 +14,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from ..hessian import Hessian, dampened_cholesky
 from ..factored import factors, whitened_svd
+from ..hessian import Hessian, dampened_cholesky
 from ..quant import quantized_of
 from .base import LinearOptions, LinearPass
 

@@ -16,8 +16,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..hessian import Hessian, dampened_cholesky
 from ..factored import Factored, allocate_ranks, factors, rank_for_ratio, whitened_svd
+from ..hessian import Hessian, dampened_cholesky
 from .base import LinearOptions, LinearPass
 
 
@@ -54,8 +54,10 @@ class LowRank(LinearPass):
         own layout, which cannot carry quantized tensors: factoring comes last and alone."""
         others = [q for q in before + after if not (isinstance(q, LowRank) and q.options.merge)]
         if others and not self.options.merge:
-            return (f"factored layers cannot be combined with other passes ({others[0].where}); "
-                    "set merge: true to export dense weights")
+            return (
+                f"factored layers cannot be combined with other passes ({others[0].where}); "
+                "set merge: true to export dense weights"
+            )
         return None
 
     def _whitening(self, name: str, stat) -> tuple[torch.Tensor | None, bool]:
@@ -84,8 +86,9 @@ class LowRank(LinearPass):
             ranks = {n: rank_for_ratio(lin.out_features, lin.in_features, o.ratio) for n, lin in targets.items()}
         else:
             budget = int(o.ratio * sum(lin.weight.numel() for lin in targets.values()))
-            ranks = allocate_ranks({n: (decomposed[n][0][1], lin.out_features, lin.in_features)
-                                    for n, lin in targets.items()}, budget)
+            ranks = allocate_ranks(
+                {n: (decomposed[n][0][1], lin.out_features, lin.in_features) for n, lin in targets.items()}, budget
+            )
         for name, lin in targets.items():
             (U, sigma, Vh), S, diagonal = decomposed[name]
             B, A = factors(U, sigma, Vh, ranks[name], S, diagonal)
@@ -96,8 +99,9 @@ class LowRank(LinearPass):
         if self.options.merge:
             lin.weight.data = store(store(B) @ store(A))
             return
-        factored = Factored.empty(lin.in_features, lin.out_features, A.shape[0], lin.bias is not None,
-                                  lin.weight.dtype, lin.weight.device)
+        factored = Factored.empty(
+            lin.in_features, lin.out_features, A.shape[0], lin.bias is not None, lin.weight.dtype, lin.weight.device
+        )
         factored[0].weight.data, factored[1].weight.data = store(A), store(B)
         if lin.bias is not None:
             factored[1].bias.data = lin.bias.data.clone()

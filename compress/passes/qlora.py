@@ -38,8 +38,14 @@ class QLoRA(Distill):
         return super().order_problem(before, after)
 
     def trainables(self, model) -> Trainables:
-        return Trainables(model, self.linears(model), self.options.train, self.dtype, rank=self.options.rank,
-                          seed=torch.initial_seed())
+        return Trainables(
+            model,
+            self.linears(model),
+            self.options.train,
+            self.dtype,
+            rank=self.options.rank,
+            seed=torch.initial_seed(),
+        )
 
     @torch.no_grad()
     def after_training(self, model) -> None:

@@ -70,8 +70,12 @@ class SmoothQuant(LinearPass):
                 if not observed:
                     continue
                 weights = [block.get_submodule(n).weight for n in m.linears]  # fold scales all of them
-                fold(block, m, smoothing_factors(stats[observed[0]].max, weights, self.options.alpha),
-                     self.arch.norm_plus_one)
+                fold(
+                    block,
+                    m,
+                    smoothing_factors(stats[observed[0]].max, weights, self.options.alpha),
+                    self.arch.norm_plus_one,
+                )
         for lin in targets.values():
             quantize_inputs(lin, self.activation)
 

@@ -9,7 +9,6 @@ sweep (GPTQ-style), so "2:4 + W4" is one pass over the data. The sweep is ``comp
 from __future__ import annotations
 
 import warnings
-from typing import Optional
 
 from ..column_sweep import hessian_stages, obs_sweep, usable
 from ..quant import attach
@@ -18,7 +17,7 @@ from .base import PruneOptions, PrunePass, QuantSpec, RecipeError, resolve_schem
 
 
 class SparseGPTOptions(PruneOptions):
-    quantize: Optional[QuantSpec] = None  # e.g. {bits: 4, group_size: auto}: prune and round jointly
+    quantize: QuantSpec | None = None  # e.g. {bits: 4, group_size: auto}: prune and round jointly
     percdamp: float = 0.01
     blocksize: int = 128
     true_sequential: bool = True
@@ -52,13 +51,22 @@ class SparseGPT(PrunePass):
         for name, H in ((name, H) for group, H in stages for name in group):  # masks are chosen per linear
             lin = targets[name]
             if not usable(H):
-                warnings.warn(f"{prefix}{name}: no usable calibration input; falling back to magnitude pruning",
-                              stacklevel=2)
+                warnings.warn(
+                    f"{prefix}{name}: no usable calibration input; falling back to magnitude pruning", stacklevel=2
+                )
                 apply_mask(lin, select_mask(lin.weight.data.float().abs(), self.pattern, per_row=False))
                 continue
-            result = obs_sweep(lin.weight.data, H.H, prefix + name, scheme=self.scheme, dtype=self.dtype,
-                               prune=self.pattern, mask=prune_mask_of(lin), percdamp=o.percdamp,
-                               blocksize=o.blocksize)
+            result = obs_sweep(
+                lin.weight.data,
+                H.H,
+                prefix + name,
+                scheme=self.scheme,
+                dtype=self.dtype,
+                prune=self.pattern,
+                mask=prune_mask_of(lin),
+                percdamp=o.percdamp,
+                blocksize=o.blocksize,
+            )
             if result.quantized is not None:
                 attach(lin, result.quantized)
             else:
