@@ -5,23 +5,36 @@ windows of ``seqlen`` tokens, the first ``windows`` of them are scored, and
 perplexity is exp(mean NLL over every predicted token). With a reference model,
 the same windows give KL(reference ‖ model) per token and top-1 agreement —
 perplexity alone hides damage.
+
+The reference's part (its final hidden states on the windows) is the same for every recipe
+applied to one model under one protocol, so it is kept in ``$COMPRESS_CACHE/reference/``
+(exact, in the compute dtype) and read back by the next run instead of computed again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
+import os
+import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from . import kv_quant
+from . import kv_quant, lazy, pipeline
 from .arch import arch_of
 from .data import DataError, describe_source, load_text, tokenize
 from .lazy import StreamedModel, streamed
-from .models import cast_params, compute_dtype
+from .models import cache_dir, cast_params, compute_dtype
 from .pipeline import capture_inputs
+
+REFERENCE_CACHE_BYTES = 4e9  # a reference's hidden states larger than this are not kept
+REFERENCE_CACHE_FILES = 4  # the most recently used are kept, older ones removed
 
 
 @dataclass
@@ -153,7 +166,9 @@ def evaluate_many(
         device = next(iter(everyone.values())).model.get_input_embeddings().weight.device
     scores = {name: _Score() for name in everyone}
     hidden = {
-        name: final_hidden(m, data, device, progress, f"evaluating {'reference' if name == _REF else name}")
+        name: reference_hidden(m, data, device, progress)
+        if name == _REF
+        else final_hidden(m, data, device, progress, f"evaluating {name}")
         for name, m in everyone.items()
     }
     heads = {name: _head(m.model) for name, m in everyone.items()}
@@ -176,6 +191,64 @@ def evaluate_many(
 
 
 _REF = "\0reference"
+
+
+def _reference_key(model: StreamedModel, data: torch.Tensor, device: torch.device) -> str | None:
+    """What a reference's hidden states depend on: its files (path, size, modification time), the
+    windows, the dtypes and device kind, and the code and libraries that compute them. None for
+    a model held in memory (it may have been changed there)."""
+    if model.checkpoint is None:
+        return None
+    folder = model.checkpoint.folder
+    h = hashlib.sha256()
+    for f in sorted({*model.checkpoint.file_of.values(), folder / "config.json"}):
+        if f.exists():
+            st = f.stat()
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h.update(data.cpu().numpy().tobytes())
+    h.update(f"{device.type}:{model.dtype}:{compute_dtype(device, model.dtype)}".encode())
+    h.update(f"{torch.__version__}:{transformers.__version__}".encode())
+    for module in (sys.modules[__name__], lazy, pipeline, kv_quant):
+        h.update(Path(module.__file__).read_bytes())
+    return h.hexdigest()[:32]
+
+
+def reference_hidden(model: StreamedModel, data: torch.Tensor, device: torch.device, progress: bool = True):
+    """``final_hidden`` of the reference, read from the cache when this model, these windows and
+    this code computed it before; else computed and kept there (atomically)."""
+    key = _reference_key(model, data, device)
+    folder = cache_dir() / "reference"
+    path = folder / f"{key}.safetensors"
+    if key is not None and path.is_file():
+        try:
+            kept = load_file(path, device=str(device))
+            hidden = [kept[f"window{i}"] for i in range(len(data))]
+        except Exception:  # a damaged file: compute again, and replace it below
+            hidden = None
+        if hidden is not None:
+            os.utime(path)  # most recently used
+            print(f"[compress] reference: hidden states read from {path} (computed by an earlier run)", file=sys.stderr)
+            return hidden
+    hidden = final_hidden(model, data, device, progress, "evaluating reference")
+    size = sum(h.numel() * h.element_size() for h in hidden)
+    if key is not None and size <= REFERENCE_CACHE_BYTES:
+        tmp = folder / f".{key}.{os.getpid()}.tmp"
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            save_file({f"window{i}": h.contiguous().cpu() for i, h in enumerate(hidden)}, tmp)
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk or a read-only cache: the evaluation does not need it
+            tmp.unlink(missing_ok=True)
+            print(f"[compress] reference: could not keep its hidden states in {folder} ({e})", file=sys.stderr)
+            return hidden
+        for old in sorted(folder.glob("*.safetensors"), key=lambda f: f.stat().st_mtime)[:-REFERENCE_CACHE_FILES]:
+            old.unlink(missing_ok=True)  # ours: this folder holds only what this function wrote
+        print(
+            f"[compress] reference: kept its hidden states for later runs on these windows ({size / 1e6:.0f} MB "
+            f"in {folder})",
+            file=sys.stderr,
+        )
+    return hidden
 
 
 def evaluate(

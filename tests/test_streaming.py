@@ -159,3 +159,23 @@ def test_spilled_list_reads_back_what_was_written(tmp_path):
     folder = items.folder
     del items
     assert not folder.exists()
+
+
+def test_the_reference_is_scored_once_per_model_and_windows(sharded, tmp_path, monkeypatch, capsys):
+    from compress.evaluate import evaluate
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
+    ids = torch.randint(0, 1000, (2, 48), generator=torch.Generator().manual_seed(0))
+
+    def scored(data):
+        model, reference = (models.open_streamed(str(sharded)).model for _ in range(2))
+        return evaluate(model, None, seqlen=data.shape[1], windows=len(data), reference=reference, data=data)
+
+    first = scored(ids)
+    assert "kept its hidden states" in capsys.readouterr().err
+    again = scored(ids)
+    assert "hidden states read from" in capsys.readouterr().err
+    assert again == first and first.kl < 1e-6  # the same numbers, bit for bit
+    other = scored(ids[:, :32])  # other windows: computed, and kept beside the first
+    assert "kept its hidden states" in capsys.readouterr().err and other.ppl != first.ppl
+    assert len(list((tmp_path / "cache" / "reference").glob("*.safetensors"))) == 2
