@@ -1,10 +1,9 @@
 """The decode engine: our own forward over a loaded model's weights, with a preallocated KV cache.
 
-Why our own forward rather than transformers' with a static cache: one decoded token through
-transformers' eager modeling code costs about 4× the time its weights take to stream on this
-project's CPUs (SmolLM2 fp32: 64 ms a token where 538 MB at ~35 GB/s is 15 ms), and that
-overhead lives in the modeling code (mask construction, cache bookkeeping, many small modules
-and ops), not in the arithmetic. The forward below does per layer what the paper-level model
+Why our own forward rather than transformers' with a static cache: most of a decoded token's
+time in transformers' eager modeling code is overhead (mask construction, cache bookkeeping,
+many small modules and ops), not the arithmetic or the weight reads (docs/design.md, "The
+decode engine"). The forward below does per layer what the paper-level model
 needs and nothing else: one fused q/k/v matmul, RMSNorm, rotary from a precomputed table, a
 write into the preallocated cache, SDPA over the filled part, one fused gate/up matmul. It
 reads the weights from the loaded transformers model, so everything ``models.load`` reads

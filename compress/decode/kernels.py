@@ -83,11 +83,10 @@ class OneDNNLinear(nn.Module):
     """An fp32 CPU linear whose multi-row products run on oneDNN with the weight reordered once
     into its blocked layout; single rows stay on MKL's matrix-vector product.
 
-    Measured on the 2-core AMD EPYC (AVX2) this project runs on: MKL's fp32 GEMM costs 5× its
-    GEMV on 8 rows of a 576→1536 linear, oneDNN's prepacked one 2×; for single rows oneDNN's
-    per-call overhead loses on small linears and wins on the 49152-row lm_head. Verifying 8
-    speculated tokens then costs 1.4× one token instead of 2.1×, which is what speculation on
-    a CPU lives on. ``keep_dense`` False drops the MKL copy (the lm_head: always oneDNN).
+    A few rows cost oneDNN's prepacked product far less than MKL's GEMM, and one row costs MKL's
+    GEMV less than oneDNN on small linears: cheap verify rows are what speculation on a CPU
+    lives on (measurements: docs/decoder.md, "What a verify row costs"). ``keep_dense`` False
+    drops the MKL copy (the lm_head: always oneDNN).
     """
 
     def __init__(self, linear: nn.Linear, keep_dense: bool = True):

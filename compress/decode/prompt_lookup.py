@@ -11,14 +11,12 @@ def default_token_cost(target) -> float:
     """What one more token costs in a forward of ``target`` (a model or a runner), as a share of a
     one-token forward.
 
-    Measured on this CPU (SmolLM2, fp32 linears on oneDNN, after a 300-token prompt): 68 ms
-    for 1 token, 105 ms for 11, 126 ms for 17, so about 0.05 per token. An engine with a kernel
-    that works row by row (``kernels.rows_ride_along``: the int4 and int8 kernels, bf16 on an
-    AVX2-only CPU) pays most of a step per token: 0.5–0.7 measured on a Zen 3 EPYC with bf16
-    weights (a 2-token step cost 1.5 one-token steps, an 8-token one 5.5: ``scripts/step_cost.py``),
-    so it is priced at 0.7 and candidates are sent only where they are nearly sure. On a GPU a
-    few more tokens ride along with the weight reads, so they are taken as free; so are they on a
-    compiled engine, whose every step computes a fixed number of rows (``Engine.step_rows``).
+    Float linears on a CPU take more rows for little more than their weight reads (about 0.05);
+    a kernel that works row by row (``kernels.rows_ride_along``: the int4 and int8 kernels, bf16
+    on an AVX2-only CPU) pays most of a step per row, priced at 0.7, so candidates are sent only
+    where they are nearly sure. A GPU step and a compiled step compute a fixed number of rows
+    (``Engine.step_rows``): more tokens are free. The measurements behind both numbers
+    (``scripts/step_cost.py``): docs/decoder.md, "What a verify row costs".
     """
     if getattr(target, "compiled", None) is not None or target.device.type != "cpu":
         return 0.0
