@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import shlex
 import sys
 import time
@@ -44,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from compress import data, kv_quant, models
+from compress import data, kv_quant, machine, models
 from compress.decode import (
     DraftModel,
     LookupThenDraft,
@@ -73,7 +72,6 @@ OPEN = [
 # Other requests, whose greedy outputs can fill a prompt-lookup datastore (replay_prompt_lookup.py);
 # none opens with the first three words of an OPEN prompt.
 STORE_PROMPTS = Path(__file__).with_name("datastore_prompts.txt")
-ISA = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
 
 
 def chat(tokenizer, text: str) -> torch.Tensor:
@@ -105,19 +103,6 @@ def datastore(path: str, model, tokenizer, new_tokens: int, eos: set[int], devic
             store.add(greedy(model, chat(tokenizer, text).to(device), new_tokens, eos).tokens)
         store.save(path)
     return store
-
-
-def machine() -> str:
-    cpu = next(
-        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-        platform.processor(),
-    )
-    flags = next((line.split(":", 1)[1].split() for line in open("/proc/cpuinfo") if line.startswith("flags")), [])
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{cpu} ({' '.join(f for f in ISA if f in flags) or 'no AVX2'}), {torch.get_num_threads()} threads, "
-        f"{gpu}, torch {torch.__version__}"
-    )
 
 
 def read_bandwidth(device: torch.device, megabytes: int = 512) -> float:
@@ -180,7 +165,7 @@ def main() -> None:
     n = args.new_tokens
     bandwidth = read_bandwidth(device)
     print(f"command: python {shlex.join(sys.argv)}")
-    print(f"machine: {machine()}; read bandwidth {bandwidth:.1f} GB/s ({device.type})")
+    print(f"machine: {machine.describe()}; read bandwidth {bandwidth:.1f} GB/s ({device.type})")
     print(f"model: {args.model}; {n} new tokens, greedy, batch 1, {args.prompts} prompts per set\n", flush=True)
 
     def wanted(name: str) -> bool:

@@ -18,20 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-
-def machine() -> str:
-    import torch
-
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}, {platform.python_version()}"
+from compress import machine
 
 
 def compress(recipe: str, model: str, args, out: Path) -> dict | None:
@@ -117,7 +104,7 @@ def main() -> None:
         parser.error("--reuse and --report need --keep DIR (where the exports are kept)")
 
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"machine: {machine()}")
+    print(f"machine: {machine.describe()}, Python {platform.python_version()}")
     from compress import models
 
     device = models.pick_device(args.device)

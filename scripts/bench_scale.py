@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from compress import machine
 
 SHAPES = dict(
     hidden_size=4096,
@@ -44,16 +45,8 @@ SHAPES = dict(
 
 
 def cpu_header() -> str:
-    model, flags = platform.processor(), ""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        model = re.search(r"model name\s*:\s*(.*)", text).group(1)
-        found = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split())
-        flags = " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile") if f in found)
-    except (OSError, AttributeError):
-        pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"machine: {model} [{flags}], {os.cpu_count()} cores, {mem:.1f} GiB RAM; torch {torch.__version__}"
+    return f"machine: {machine.describe()}; {os.cpu_count()} cores, {mem:.1f} GiB RAM"
 
 
 def _layer(i: int, g: torch.Generator) -> dict[str, torch.Tensor]:

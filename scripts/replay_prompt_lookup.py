@@ -22,10 +22,10 @@ import sys
 import time
 
 import torch
-from bench_decode import datastore, machine, prompts  # this script's folder is on the path when run
+from bench_decode import datastore, prompts  # this script's folder is on the path when run
 from transformers import DynamicCache
 
-from compress import models
+from compress import machine, models
 from compress.decode import PromptLookup, common_prefix, default_token_cost, greedy, kernels
 from compress.decode.loop import forward_logits
 
@@ -125,7 +125,7 @@ def main() -> None:
     price = functools.partial(interpolate, cost_ms)
     cost = default_token_cost(model)
     print(f"command: python {' '.join(sys.argv)}")
-    print(f"machine: {machine()}")
+    print(f"machine: {machine.describe()}")
     print(
         "target forward, ms by width after a grounded prompt: "
         + ", ".join(f"{w}: {ms:.1f}" for w, ms in cost_ms.items())

@@ -22,9 +22,8 @@ import sys
 import time
 
 import torch
-from bench_decode import machine  # this script's folder is on the path when run
 
-from compress import data, models
+from compress import data, machine, models
 from compress.decode.engine import Engine
 from compress.decode.loop import sync
 
@@ -56,7 +55,7 @@ def main() -> None:
     options = dict(kernel=args.kernel, quantize=args.quantize, lm_head=args.lm_head)
     engine = Engine(model, graphs=False if args.no_graphs else None, step_rows=args.step_rows, **options)
     print(f"command: python {shlex.join(sys.argv)}")
-    print(f"machine: {machine()}")
+    print(f"machine: {machine.describe()}")
     print(
         f"engine: {engine.describe()}; stream {str(engine.dtype).removeprefix('torch.')}; "
         f"CUDA graphs {'on' if engine.graphs else 'off'}; steps of {engine.step_rows} rows\n"

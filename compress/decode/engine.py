@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .. import USER_INDUCTOR_CACHE, kv_quant
+from .. import USER_INDUCTOR_CACHE, kv_quant, machine
 from ..models import cache_dir
 from . import kernels, native
 from .loop import DecodeError, device_of
@@ -642,7 +642,7 @@ def _fingerprint(engine: Engine) -> str:
     code, and every byte of its weights (a stale package would decode wrong tokens silently)."""
     digest = hashlib.blake2b(digest_size=16)
     settings = [
-        kernels.machine_key(engine.device),
+        machine.key(engine.device),
         str(engine.device),
         str(engine.dtype),
         engine.step_rows,

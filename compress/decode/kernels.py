@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import platform
 import time
 from pathlib import Path
 
@@ -33,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import machine
 from ..models import cache_dir
 from ..quant import QuantizedWeight, QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
 from . import native
@@ -552,18 +552,6 @@ def _time_one_row(
     return min(times) * 1e3
 
 
-def machine_key(device: torch.device) -> str:
-    """What a timing or a compiled kernel depends on: torch, the CPU (model and ISA flags) or GPU."""
-    info = Path("/proc/cpuinfo")
-    cpu = (
-        [line for line in info.read_text().splitlines() if line.startswith(("model name", "flags"))][:2]
-        if info.exists()
-        else [platform.processor()]
-    )
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
-    return repr([torch.__version__, platform.machine(), cpu, gpu])
-
-
 # Timings of a group shape on a device, kept on disk per machine (``_timings_file``): formats
 # within timing noise of each other would otherwise be chosen differently by two runs, or two
 # engines, over the same model (and compute differently: bf16 and fp32 round differently), and
@@ -573,7 +561,7 @@ _TIMED: dict[str, dict[str, float]] = {}
 
 def _timings_file(device: torch.device) -> Path:
     # our own kernels' source too: a changed kernel is timed again
-    digest = hashlib.blake2b(machine_key(device).encode() + native.SOURCE.read_bytes(), digest_size=8).hexdigest()
+    digest = hashlib.blake2b(machine.key(device).encode() + native.SOURCE.read_bytes(), digest_size=8).hexdigest()
     return cache_dir() / "kernels" / f"timings-{digest}.json"
 
 

@@ -25,17 +25,10 @@ from pathlib import Path
 
 import torch
 
+from .. import machine
 from ..models import cache_dir
 
 SOURCE = Path(__file__).with_name("native_avx2.cpp")
-
-
-def _cpu_flags() -> set[str]:
-    info = Path("/proc/cpuinfo")
-    if not info.exists():
-        return set()
-    line = next((line for line in info.read_text().splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
 
 
 def _compiler() -> str | None:
@@ -80,14 +73,13 @@ def _build(target: Path, compiler: str) -> None:
 @functools.cache
 def available() -> bool:
     """Whether the kernels are loaded in this process (building them on the first call, ~30 s)."""
-    if os.environ.get("COMPRESS_NATIVE", "1") == "0" or not {"avx2", "fma"} <= _cpu_flags():
+    if os.environ.get("COMPRESS_NATIVE", "1") == "0" or not {"avx2", "fma"} <= machine.cpu_flags():
         return False
     compiler = _compiler()
     if compiler is None:
         return False
-    from .kernels import machine_key
 
-    digest = hashlib.blake2b(SOURCE.read_bytes() + machine_key(torch.device("cpu")).encode(), digest_size=8)
+    digest = hashlib.blake2b(SOURCE.read_bytes() + machine.key(torch.device("cpu")).encode(), digest_size=8)
     target = cache_dir() / "native" / f"compress_native_{digest.hexdigest()}.so"
     try:
         if not target.exists():

@@ -1,0 +1,43 @@
+"""The machine a number was measured on: every benchmark prints ``describe()`` in its header, and
+kernel timings and compiled steps are kept per ``key`` (the fastest kernel differs by CPU)."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from pathlib import Path
+
+import torch
+
+# the instruction sets that decide which kernel wins on a CPU
+ISA = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8", "amx_tile")
+
+
+@functools.cache
+def _cpuinfo(field: str) -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return ""
+    return next((line.partition(":")[2].strip() for line in lines if line.startswith(field)), "")
+
+
+def cpu_name() -> str:
+    return _cpuinfo("model name") or platform.processor() or "unknown CPU"
+
+
+def cpu_flags() -> set[str]:
+    return set(_cpuinfo("flags").split())
+
+
+def describe() -> str:
+    """e.g. ``AMD EPYC 7B13 (avx2), 2 threads, no GPU, torch 2.13.0+cpu``."""
+    isa = " ".join(f for f in ISA if f in cpu_flags()) or "no AVX2"
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return f"{cpu_name()} ({isa}), {torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}"
+
+
+def key(device: torch.device) -> str:
+    """What a timing or a compiled kernel depends on: torch, the CPU (model and every flag) or GPU."""
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    return repr([torch.__version__, platform.machine(), cpu_name(), sorted(cpu_flags()), gpu])
