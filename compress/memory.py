@@ -94,7 +94,8 @@ def plan(
     (plan.disk if spill else plan.compress)["calibration activations"] = 3 * samples * cal_seqlen * hidden * f32
     if any(getattr(p, "uses_hessian", False) for p in passes):
         widest = max(m.in_features for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
-        plan.compress["Hessians"] = 3 * widest * widest * f32  # H, its factor, the sweep's working copy
+        # H and its factors in float64 (hessian.statistics_dtype), the sweep's working copy
+        plan.compress["Hessians"] = (2 * 8 + f32) * widest * widest
     if windows:
         plan.evaluate["one block"] = n_block * (stored + f32)
         plan.evaluate["evaluation hidden states"] = 2 * windows * eval_seqlen * hidden * f32  # model and reference

@@ -70,7 +70,7 @@ class LowRank(LinearPass):
         L = dampened_cholesky(stat.H, o.percdamp, name)
         if L is None:
             warnings.warn(f"{name}: XᵀX could not be factorised; whitening by its diagonal instead", stacklevel=3)
-            return torch.diag(stat.H).clamp(min=1e-8).sqrt(), True
+            return torch.diag(stat.H).clamp(min=1e-8).sqrt().float(), True
         return L, False
 
     def apply(self, block, data, prefix: str) -> None:
