@@ -7,9 +7,9 @@ succeeds, with a warning naming the layer; if it never does, the diagonal is
 used. Never a crash, never NaN weights.
 
 Sums and factorisations run in float64 where float64 is fast (every CPU, and the GPUs with
-full-rate float64: A100, H100, H200): in float32 the order of the additions alone moved GPTQ
-W4's perplexity on SmolLM2 by 4% (docs/results.md); in float64 that order no longer decides
-which way a weight rounds. What leaves this module (the factors the sweeps read) is float32.
+full-rate float64: A100, H100, H200), so that float32 rounding in sums over 10⁵ tokens does not
+decide which way a weight rounds (what it changes and costs: docs/results.md, "Hessians in
+float64"). What leaves this module (the factors the sweeps read) is float32.
 """
 
 from __future__ import annotations
