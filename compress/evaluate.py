@@ -251,18 +251,7 @@ def reference_hidden(model: StreamedModel, data: torch.Tensor, device: torch.dev
     return hidden
 
 
-def evaluate(
-    model,
-    tokenizer,
-    source: str = "wikitext2",
-    seqlen: int = 2048,
-    windows: int = 40,
-    reference=None,
-    progress: bool = True,
-    data: torch.Tensor | None = None,
-    device: torch.device | None = None,
-) -> EvalResult:
-    """``data`` (windows × seqlen ids from ``windows_of``) may be prepared early to fail before compute."""
-    return evaluate_many({"model": model}, tokenizer, source, seqlen, windows, reference, progress, data, device)[
-        "model"
-    ]
+def evaluate(model, tokenizer, *args, **kwargs) -> EvalResult:
+    """One model scored as ``evaluate_many`` scores several (same arguments after the tokenizer).
+    ``data`` (windows × seqlen ids from ``windows_of``) may be prepared early to fail before compute."""
+    return evaluate_many({"model": model}, tokenizer, *args, **kwargs)["model"]
