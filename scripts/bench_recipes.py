@@ -5,6 +5,8 @@
 Each recipe compresses in its own `compress apply --no-eval` process, so the time and peak RSS
 are per run. Then every export of a model is reloaded from disk (so what is scored is what was
 written) and scored on the same windows in one pass, with the dense reference run once.
+With ``--seeds N`` each recipe is compressed with calibration seeds 0..N-1 and its row gives
+mean ± standard deviation over them: single runs cannot rank two methods closer than that.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,7 +24,7 @@ from pathlib import Path
 from compress import machine
 
 
-def compress(recipe: str, model: str, args, out: Path) -> dict | None:
+def compress(recipe: str, model: str, args, out: Path, seed: int | None) -> dict | None:
     if args.reuse and (out / "report.json").exists():  # compressed by an earlier run into --keep
         return json.loads((out / "report.json").read_text())
     cmd = [
@@ -41,6 +44,8 @@ def compress(recipe: str, model: str, args, out: Path) -> dict | None:
     ]
     if args.samples:
         cmd += ["--samples", str(args.samples)]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:  # one broken recipe should not cost the rest of the table
         print(f"FAILED: {' '.join(cmd)}\n{result.stderr[-3000:]}", file=sys.stderr, flush=True)
@@ -59,12 +64,12 @@ def score(model: str, reports: list[dict], args) -> None:
     dtype = models.parse_dtype(args.dtype)
     loaded = models.load(model, dtype)
     reference = None if args.no_kl else models.for_compute(loaded.model, device)
-    candidates = {r["recipe"]: models.for_compute(models.load(r["output"], dtype).model, device) for r in reports}
+    candidates = {r["output"]: models.for_compute(models.load(r["output"], dtype).model, device) for r in reports}
     start = time.perf_counter()
     results = evaluate_many(candidates, loaded.tokenizer, "wikitext2", args.seqlen, args.windows, reference)
     print(f"scored {len(reports)} exports of {model} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
     for r in reports:
-        r["eval"] = results[r["recipe"]].as_dict()
+        r["eval"] = results[r["output"]].as_dict()
         if args.report:  # kept exports carry their score, for `compress report`
             export.add_evaluation(Path(r["output"]), r["eval"])
     del candidates, reference
@@ -75,6 +80,15 @@ def fmt(value, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
+def spread(values: list, spec: str) -> str:
+    """``mean`` of one run, ``mean ± std`` (sample standard deviation) of several."""
+    if any(v is None for v in values):
+        return ""
+    if len(values) == 1:
+        return format(values[0], spec)
+    return f"{format(statistics.mean(values), spec)} ± {format(statistics.stdev(values), spec)}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["smollm2-135m", "gemma3-270m"])
@@ -82,6 +96,7 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=40)
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--samples", type=int, help="calibration samples (default: each recipe's)")
+    parser.add_argument("--seeds", type=int, default=1, help="calibration seeds 0..N-1 per recipe: mean ± std")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--keep", help="keep the exports in this folder (default: a temporary one)")
@@ -119,10 +134,12 @@ def main() -> None:
         for model in args.models:
             reports = []
             for recipe in args.recipes:
-                r = compress(recipe, model, args, root / f"{model}-{Path(recipe).stem}")
-                if r is not None:
-                    print(f"compressed: {model} {recipe} in {r['compress_s']:.0f} s", file=sys.stderr, flush=True)
-                    reports.append(r)
+                for seed in range(args.seeds) if args.seeds > 1 else [None]:
+                    name = f"{model}-{Path(recipe).stem}" + (f"-seed{seed}" if seed is not None else "")
+                    r = compress(recipe, model, args, root / name, seed)
+                    if r is not None:
+                        print(f"compressed: {name} in {r['compress_s']:.0f} s", file=sys.stderr, flush=True)
+                        reports.append(r)
             if not reports:
                 continue
             score(model, reports, args)
@@ -136,22 +153,23 @@ def main() -> None:
                 rows.append(
                     [model, "dense", "16", "", "", "", "", f"{reports[0]['eval']['ref_ppl']:.3f}", "0", "1.000", "", ""]
                 )
-            for r in reports:
-                e = r["eval"]
+            for recipe in dict.fromkeys(r["recipe"] for r in reports):  # one row per recipe, over its seeds
+                runs = [r for r in reports if r["recipe"] == recipe]
+                r = runs[0]
                 rows.append(
                     [
                         model,
-                        r["method"],
+                        r["method"] + (f" ({len(runs)} seeds)" if len(runs) > 1 else ""),
                         fmt(r["bits_per_weight"], ".2f"),
                         fmt(r.get("sparsity"), ".1%"),
                         fmt(r.get("params_kept"), ".1%"),
                         fmt(r.get("kv_bytes_per_token"), ",.0f"),
                         f"{r['size_mb']:.1f}",
-                        f"{e['ppl']:.3f}",
-                        fmt(e["kl"], ".4f"),
-                        fmt(e["top1"], ".3f"),
-                        f"{r['compress_s']:.1f}",
-                        f"{r['peak_rss_gb']:.2f}",
+                        spread([x["eval"]["ppl"] for x in runs], ".3f"),
+                        spread([x["eval"]["kl"] for x in runs], ".4f"),
+                        spread([x["eval"]["top1"] for x in runs], ".3f"),
+                        spread([x["compress_s"] for x in runs], ".1f"),
+                        f"{max(x['peak_rss_gb'] for x in runs):.2f}",
                     ]
                 )
     head = [
