@@ -218,7 +218,7 @@ def reference_hidden(model: StreamedModel, data: torch.Tensor, device: torch.dev
     this code computed it before; else computed and kept there (atomically)."""
     key = _reference_key(model, data, device)
     folder = cache_dir() / "reference"
-    path = folder / f"{key}.safetensors"
+    path = folder / f"{key}.safetensors"  # unused when key is None (a model held in memory)
     if key is not None and path.is_file():
         try:
             kept = load_file(path, device=str(device))
