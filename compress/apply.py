@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import data, export, kv_quant, memory, models, resume
+from . import data, export, gguf_export, kv_quant, memory, models, resume
 from .evaluate import evaluate, windows_of
 from .passes import ModelPass
 from .pipeline import activation_store, run_passes
@@ -52,7 +52,7 @@ def apply(
     model_source: str | None = None,
     output: str | Path | None = None,
     device: str | None = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     seed: int | None = None,
     overwrite: bool = False,
     evaluate_after: bool = True,
@@ -69,8 +69,16 @@ def apply(
     where calibration activations are kept in files instead of RAM. A calibrated sweep keeps
     each finished block beside the output until the export is in place (``resume``; not with
     ``keep_blocks=False``); ``resume_run`` reads them back after a killed run instead of
-    compressing them again."""
+    compressing them again. ``dtype`` (the storage dtype) defaults to bfloat16, and to float32 for
+    a recipe that exports GGUF, whose weights must be the very numbers llama.cpp computes with."""
     source = model_source or recipe.model
+    gguf = recipe.export if recipe.export.format == "gguf" else None
+    if gguf is not None and dtype is not None and models.parse_dtype(dtype) != torch.float32:
+        raise export.ExportError(
+            f"--dtype {dtype}: a recipe that exports GGUF computes in float32 (llama.cpp dequantizes "
+            "its blocks to float32); drop --dtype"
+        )
+    dtype = dtype or ("float32" if gguf is not None else "bfloat16")
     if max_shard_mb is not None and max_shard_mb < 1:
         raise export.ExportError(f"--max-shard-mb must be at least 1; got {max_shard_mb}")
     seed = recipe.seed if seed is None else seed
@@ -86,6 +94,8 @@ def apply(
     model, tokenizer = loaded.model, loaded.tokenizer
     for p in recipe.passes:
         p.check(model.model)  # shapes, group sizes, patterns: before any compute
+    if gguf is not None and (problem := gguf_export.family_problem(model.model.config)):
+        raise gguf_export.GGUFError(problem)
     ev = recipe.evaluation
     seqlen, windows = eval_seqlen or ev.seqlen, eval_windows or ev.windows
     eval_data = windows_of(tokenizer, ev.ppl, seqlen, windows) if evaluate_after and ev.ppl else None
@@ -166,7 +176,7 @@ def apply(
             "dtype": dtype,
             "evaluated": eval_data is not None,
         }
-        written = writer.finish(model.model, tokenizer, recipe.text, manifest)
+        written = writer.finish(model.model, tokenizer, recipe.text, manifest, gguf)
         report = Report(
             recipe.name,
             source,

@@ -18,6 +18,7 @@ from .arch import UnknownArchitecture
 from .data import DataError
 from .decode import DecodeError
 from .export import MANIFEST, ExportError
+from .gguf_export import GGUFError
 from .lazy import CheckpointError
 from .memory import MemoryPlanError
 from .models import DEFAULT_MODEL, ModelLoadError
@@ -27,6 +28,7 @@ from .resume import ResumeError
 
 USER_ERRORS = (
     RecipeError,
+    GGUFError,
     ModelLoadError,
     DataError,
     ExportError,
@@ -357,9 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="compress", description="Compress, export and evaluate LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def common(p):
+    def common(p, dtype_default="bfloat16", dtype_help="bfloat16 (default), float16 or float32"):
         p.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda if present)")
-        p.add_argument("--dtype", default="bfloat16", help="bfloat16 (default), float16 or float32")
+        p.add_argument("--dtype", default=dtype_default, help=dtype_help)
         p.add_argument("--debug", action="store_true", help="show the traceback of an unexpected error")
 
     p = sub.add_parser("apply", help="run a recipe: compress, export, evaluate")
@@ -394,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not keep finished blocks beside the output (saves that disk space; no --resume)",
     )
-    common(p)
+    common(p, None, "bfloat16 (default; float32 for a recipe that exports GGUF), float16 or float32")
     p.set_defaults(func=_apply)
 
     p = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a model or exported folder")

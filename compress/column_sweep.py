@@ -14,7 +14,7 @@ by an earlier pruning pass is kept: those weights round to exactly zero.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -56,7 +56,7 @@ def obs_sweep(
     mask = torch.zeros_like(W, dtype=torch.bool) if mask is None else mask.clone()
     if scheme is not None:
         gs = cols if scheme.group_size == -1 else scheme.group_size
-        column_scheme = QuantScheme(scheme.bits, -1, scheme.symmetric)
+        column_scheme = replace(scheme, group_size=-1)
         static = actorder or scheme.group_size == -1
         if static:  # every group's scale from the weights before any update
             scale, zero = compute_qparams(W.masked_fill(mask, 0), scheme, dtype)

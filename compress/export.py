@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import factored, kv_quant
+from . import factored, gguf_export, kv_quant
 from .quant import ActivationScheme, QuantizedWeight, QuantScheme, input_quant_of, quantized_of
 from .sparsity import prune_mask_of
 
@@ -431,9 +431,10 @@ class Export:
             seen.add(tensor.data_ptr())
             self.shards.add(key, tensor)
 
-    def finish(self, model: torch.nn.Module, tokenizer, recipe_text: str, manifest: dict) -> Path:
-        """Config, tokenizer, recipe and manifest (sha256 per file) beside the shards, in the
-        temporary folder, which is returned: ``publish`` puts it in place."""
+    def finish(self, model: torch.nn.Module, tokenizer, recipe_text: str, manifest: dict, gguf=None) -> Path:
+        """Config, tokenizer, recipe, the GGUF file when the recipe's ``export`` (``gguf``) asks for
+        one, and manifest (sha256 per file) beside the shards, in the temporary folder, which is
+        returned: ``publish`` puts it in place."""
         try:
             self.shards.close()
             _write_adapter(self.loras, self.tmp)
@@ -454,6 +455,8 @@ class Export:
                 model.generation_config.save_pretrained(self.tmp)
             tokenizer.save_pretrained(self.tmp)
             (self.tmp / "recipe.yaml").write_text(recipe_text)
+            if gguf is not None:
+                gguf_export.write(self.tmp, gguf.type, self.tmp / gguf_export.file_name(gguf.type), gguf.embedding)
             files = {str(p.relative_to(self.tmp)): _sha256(p) for p in sorted(self.tmp.rglob("*")) if p.is_file()}
             manifest = {**manifest, "versions": _versions(), "files": files}
             (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))

@@ -22,6 +22,11 @@ class QuantScheme:
     bits: int = 4
     group_size: int = 128
     symmetric: bool = False
+    # Scale values are float16 numbers, as GGUF stores them, and when asymmetric have few enough
+    # significant bits that Q4_1's minimum -scale*(zero offset) is one too. With float32 storage
+    # every dequantized weight is then the same number in our model, the compressed-tensors export
+    # and the GGUF file (compress/gguf_export.py).
+    fp16_scales: bool = False
 
     def __post_init__(self):
         if self.bits not in SUPPORTED_BITS:
@@ -45,6 +50,12 @@ class QuantScheme:
         group = in_features if self.group_size == -1 else self.group_size
         extra = scale_bits + (0 if self.symmetric else self.bits)
         return self.bits + extra / group
+
+    @property
+    def scale_significant_bits(self) -> int:
+        """float16 has 11 significant bits; Q4_1's minimum is the scale times a zero offset of up to
+        ``bits`` bits, so an asymmetric scale keeps 11 - bits of them."""
+        return 11 if self.symmetric else 11 - self.bits
 
     def describe(self) -> str:
         g = "channel" if self.group_size == -1 else f"g{self.group_size}"
@@ -84,12 +95,24 @@ def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype):
     wmax = wg.amax(-1).clamp(min=0)
     if scheme.symmetric:
         scale = torch.maximum(wmax, -wmin) / ((scheme.qmax - scheme.qmin) / 2)
-        scale = scale.clamp(min=1e-8).to(dtype).float()
+    else:
+        scale = (wmax - wmin) / (scheme.qmax - scheme.qmin)
+    scale = scale.clamp(min=1e-8).to(dtype).float()
+    if scheme.fp16_scales:
+        scale = round_significand(scale, scheme.scale_significant_bits)
+    if scheme.symmetric:
         zero = torch.zeros_like(scale)
     else:
-        scale = ((wmax - wmin) / (scheme.qmax - scheme.qmin)).clamp(min=1e-8).to(dtype).float()
         zero = (scheme.qmin - torch.round(wmin / scale)).clamp(scheme.qmin, scheme.qmax)
     return scale, zero
+
+
+def round_significand(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` (positive) rounded to ``bits`` significant bits within float16's normal range: a
+    float16 number (with 11 bits), whose products with small integers are float16 numbers too."""
+    x = x.float().clamp(min=2.0**-14, max=65504.0)
+    mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, 0.5 <= mantissa < 1
+    return torch.ldexp(torch.round(torch.ldexp(mantissa, torch.tensor(bits))), exponent - bits).clamp(max=65504.0)
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:

@@ -13,12 +13,14 @@ evaluation: {ppl: wikitext2, seqlen: 2048, windows: 40}
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from . import gguf_export
 from .models import DEFAULT_MODEL
-from .passes import REGISTRY, LayerPass, RecipeError
+from .passes import REGISTRY, LayerPass, PrunePass, RecipeError, WeightQuantPass
 
 
 class _Strict(BaseModel):
@@ -39,7 +41,21 @@ class Evaluation(_Strict):
 
 
 class Export(_Strict):
-    format: str = Field("compressed-tensors", pattern="^compressed-tensors$")
+    """compressed-tensors always; ``format: gguf`` adds a llama.cpp file of the same weights."""
+
+    format: Literal["compressed-tensors", "gguf"] = "compressed-tensors"
+    type: str | None = None  # gguf: q4_0, q4_1 or q8_0
+    embedding: Literal["dense", "q8_0"] = "dense"  # gguf: token_embd (and a dense output) as Q8_0
+
+    @model_validator(mode="after")
+    def _type(self):
+        if self.format == "gguf" and self.type is None:
+            raise ValueError(f"format gguf needs a type: one of {', '.join(gguf_export.TYPES)}")
+        if self.format == "gguf" and (problem := gguf_export.type_problem(self.type)):
+            raise ValueError(problem)
+        if self.format != "gguf" and (self.type is not None or self.embedding != "dense"):
+            raise ValueError("type and embedding are options of format: gguf")
+        return self
 
 
 class _RecipeFields(_Strict):
@@ -73,7 +89,7 @@ def _format(err: ValidationError, prefix: str = "") -> str:
     path = prefix
     for part in first["loc"]:
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
-    msg = first["msg"]
+    msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
     elif "input" in first and not isinstance(first["input"], (dict, list)):
@@ -114,7 +130,25 @@ def parse(text: str, name: str = "recipe") -> Recipe:
     for i, p in enumerate(passes):
         if problem := p.order_problem(passes[:i], passes[i + 1 :]):
             raise RecipeError(f"{p.where}: {problem}")
+    if fields.export.format == "gguf":
+        _check_gguf(passes, fields.export.type)
     return Recipe(fields, passes, text, name)
+
+
+def _check_gguf(passes: list[LayerPass], gguf_type: str) -> None:
+    """GGUF holds quantized and pruned linears: every quantizer must match the type's blocks, and
+    rounds its scales to float16 numbers, as the file stores them."""
+    for p in passes:
+        if not isinstance(p, (WeightQuantPass, PrunePass)):
+            raise RecipeError(
+                f"{p.where}: export.format gguf holds quantized and pruned linears only; "
+                "drop this pass or export compressed-tensors"
+            )
+        spec = p.options if isinstance(p, WeightQuantPass) else getattr(p.options, "quantize", None)
+        if spec is not None:
+            if problem := gguf_export.scheme_problem(gguf_type, spec.bits, spec.group_size, spec.symmetric):
+                raise RecipeError(f"{p.where}: {problem}")
+        p.fp16_scales = True
 
 
 def load(path: str | Path) -> Recipe:

@@ -1,7 +1,7 @@
 """Registry of passes: recipe name -> class. Adding a method is one file plus one line here."""
 
 from .awq import AWQ
-from .base import LayerPass, ModelPass, RecipeError
+from .base import LayerPass, ModelPass, PrunePass, RecipeError, WeightQuantPass
 from .blockwise import Blockwise
 from .distill import Distill
 from .gptq import GPTQ
@@ -32,4 +32,4 @@ PASSES = (
 )
 REGISTRY: dict[str, type[LayerPass]] = {cls.name: cls for cls in PASSES}
 
-__all__ = ["REGISTRY", "LayerPass", "ModelPass", "RecipeError"]
+__all__ = ["REGISTRY", "LayerPass", "ModelPass", "PrunePass", "RecipeError", "WeightQuantPass"]

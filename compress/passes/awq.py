@@ -11,6 +11,8 @@ block, from one observation of its inputs, as in the reference implementation.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..arch import Scaling, foldable_scalings
@@ -116,7 +118,7 @@ def search_clip(
     if scheme.symmetric:
         wmax = torch.maximum(wmax, -wmin)
         wmin = -wmax
-    group_scheme = QuantScheme(scheme.bits, gs, scheme.symmetric)
+    group_scheme = replace(scheme, group_size=gs)
     best_err = torch.full((rows, cols // gs), float("inf"), device=W.device)
     best_ratio = torch.ones(rows, cols // gs, device=W.device)
     for i in range(int(max_shrink * grid)):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import replace
 from typing import ClassVar, Literal
 
 import torch
@@ -174,6 +175,7 @@ class LinearPass(LayerPass):
 
     Options = LinearOptions
     dtype: torch.dtype
+    fp16_scales: bool = False  # set by a recipe that exports GGUF: ``QuantScheme.fp16_scales``
 
     def targets(self, block: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Linear]:
         return {
@@ -216,7 +218,7 @@ class WeightQuantPass(LinearPass):
 
     def check(self, model: torch.nn.Module) -> None:
         super().check(model)
-        self.scheme = resolve_scheme(self.options, self.widths, self.where)
+        self.scheme = replace(resolve_scheme(self.options, self.widths, self.where), fp16_scales=self.fp16_scales)
 
     def summary(self) -> str:
         return f"{self.name} {self.scheme.describe()}"

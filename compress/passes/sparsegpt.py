@@ -9,6 +9,7 @@ sweep (GPTQ-style), so "2:4 + W4" is one pass over the data. The sweep is ``comp
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 from ..column_sweep import hessian_stages, obs_sweep, usable
 from ..quant import attach
@@ -39,7 +40,8 @@ class SparseGPT(PrunePass):
         if self.pattern.structured and o.blocksize % self.pattern.m:
             raise RecipeError(f"{self.where}.blocksize: {o.blocksize} must be a multiple of M={self.pattern.m}")
         if o.quantize is not None:
-            self.scheme = resolve_scheme(o.quantize, self.widths, f"{self.where}.quantize")
+            scheme = resolve_scheme(o.quantize, self.widths, f"{self.where}.quantize")
+            self.scheme = replace(scheme, fp16_scales=self.fp16_scales)
             gs = self.scheme.group_size
             if gs != -1 and o.blocksize % gs:
                 raise RecipeError(f"{self.where}.blocksize: {o.blocksize} must be a multiple of the group size {gs}")
