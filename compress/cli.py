@@ -18,6 +18,7 @@ from .arch import UnknownArchitecture
 from .data import DataError
 from .decode import DecodeError
 from .export import MANIFEST, ExportError
+from .gguf_export import TYPES as GGUF_TYPES
 from .gguf_export import GGUFError
 from .lazy import CheckpointError
 from .memory import MemoryPlanError
@@ -74,6 +75,22 @@ def _apply(args) -> None:
     if report.eval:
         print(f"evaluation: {report.eval['protocol']}")
     print(format_table([report]))
+
+
+def _export(args) -> None:
+    from . import gguf_export
+
+    folder = Path(args.folder)
+    if not (folder / MANIFEST).is_file():
+        raise ExportError(f"{folder} is not an export of ours (no {MANIFEST}); run `compress apply` first")
+    out = Path(args.output) if args.output else folder / gguf_export.file_name(args.gguf)
+    if out.exists() and not (args.overwrite and out.is_file() and out.suffix == ".gguf"):
+        why = "pass --overwrite" if out.is_file() and out.suffix == ".gguf" else "choose another --output"
+        raise ExportError(f"{out} exists; {why}")
+    if not os.access(out.absolute().parent, os.W_OK):
+        raise ExportError(f"{out.absolute().parent} is not writable; choose another --output")
+    written = gguf_export.write(folder, args.gguf, out, args.embedding)
+    print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
 
 
 def _eval(args) -> None:
@@ -495,6 +512,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("exports", nargs="+", help="export folders written by `compress apply`")
     p.add_argument("--out", default="report", help="folder for report.md and the PNG plots (default: report)")
     p.set_defaults(func=_report)
+
+    p = sub.add_parser("export", help="write a GGUF file for llama.cpp from an export of ours")
+    p.add_argument("folder", help="an export folder written by `compress apply`")
+    p.add_argument("--gguf", required=True, choices=list(GGUF_TYPES), help="block type of the quantized linears")
+    p.add_argument(
+        "--embedding",
+        choices=["dense", "q8_0"],
+        default="dense",
+        help="token embedding (and a dense lm_head): as exported (default) or Q8_0, as llama.cpp's quantizer does",
+    )
+    p.add_argument("--output", help="the .gguf file (default: FOLDER/model-TYPE.gguf)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing .gguf file")
+    p.set_defaults(func=_export)
 
     p = sub.add_parser("recipes", help="list the shipped recipes")
     p.set_defaults(func=_recipes)

@@ -1,0 +1,174 @@
+"""GGUF export: the file llama.cpp reads holds exactly the weights we evaluated, transformers
+reloads it to our logits, and what cannot be written fails before any compute."""
+
+import gguf
+import pytest
+import torch
+from conftest import tiny_folder
+
+from compress import models
+from compress.apply import apply
+from compress.cli import main
+from compress.gguf_export import GROUP, pack_blocks
+from compress.quant import QuantScheme, dequantize, quantize_weight
+from compress.recipe import parse
+
+RECIPE = "calibration: {samples: 4, seqlen: 64}\npasses:\n  - %s\nexport: {format: gguf, type: %s%s}\n"
+PASSES = {
+    "q4_0": "gptq: {bits: 4, group_size: 32, symmetric: true}",
+    "q4_1": "awq: {bits: 4, group_size: 32, symmetric: false, grid: 4}",
+    "q8_0": "rtn: {bits: 8, group_size: 32, symmetric: true}",
+}
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, smollm2):
+    return {
+        kind: tiny_folder(tmp_path_factory.mktemp(kind), smollm2.tokenizer, kind)
+        for kind in ("llama", "mistral", "qwen2", "qwen3")
+    }
+
+
+def _export(folder, tmp_path, gguf_type, embedding=""):
+    recipe = parse(RECIPE % (PASSES[gguf_type], gguf_type, embedding))
+    out = tmp_path / f"out-{gguf_type}"
+    apply(recipe, str(folder), out, evaluate_after=False)
+    return out, out / f"model-{gguf_type}.gguf"
+
+
+def _unpermute(t, heads):
+    """The inverse of llama.cpp's q/k row permutation (as transformers' GGUF loader undoes it)."""
+    return t.reshape(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def _gguf_weights(path, config):
+    """Every tensor of the file dequantized by the ``gguf`` package, under our names."""
+    arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
+    kind = "llama" if config.model_type == "mistral" else config.model_type
+    names = gguf.get_tensor_name_map(arch[kind], config.num_hidden_layers)
+    reader = gguf.GGUFReader(path)
+    by_gguf = {}
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape([int(n) for n in reversed(t.shape)])
+        w = torch.from_numpy(values.copy()).float()
+        if kind == "llama" and t.name.endswith("attn_q.weight"):
+            w = _unpermute(w, config.num_attention_heads)
+        if kind == "llama" and t.name.endswith("attn_k.weight"):
+            w = _unpermute(w, config.num_key_value_heads)
+        by_gguf[t.name] = (w, t.tensor_type.name)
+    return names, by_gguf
+
+
+@pytest.mark.parametrize("kind,gguf_type", [("llama", t) for t in PASSES] + [("mistral", "q4_0")])
+def test_the_gguf_holds_the_weights_we_evaluated_bit_for_bit(kind, gguf_type, folders, tmp_path):
+    out, path = _export(folders[kind], tmp_path, gguf_type)
+    ours = models.load(str(out), torch.float32).model  # the compressed-tensors export, as evaluated
+    names, tensors = _gguf_weights(path, ours.config)
+    state = ours.state_dict()
+    quantized = 0
+    for key, value in state.items():
+        if key == "lm_head.weight" and ours.config.tie_word_embeddings:
+            continue
+        w, kind = tensors[names.get_name(key, try_suffixes=(".weight", ".bias"))]
+        assert torch.equal(w, value.float()), key
+        quantized += kind == gguf_type.upper()
+    assert quantized == 7 * ours.config.num_hidden_layers  # q k v o gate up down in every block
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # Mistral is written as Llama
+def test_transformers_reads_the_gguf_to_our_logits_and_tokens(kind, folders, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out, path = _export(folders[kind], tmp_path, "q8_0")
+    ours = models.load(str(out), torch.float32)
+    # transformers 5 reads no head_dim for qwen3 GGUFs (it takes Qwen3's default, 128; llama.cpp
+    # reads the key_length we write): the tiny model's is given here
+    extra = {"head_dim": ours.model.config.head_dim} if kind == "qwen3" else {}
+    theirs = AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name, dtype=torch.float32, **extra)
+    text = "GGUF files, for llama.cpp: 12 blocks of 32 weights!"
+    ids = ours.tokenizer(text, return_tensors="pt").input_ids
+    if kind == "llama":  # the same tokenizer in every family here
+        assert AutoTokenizer.from_pretrained(out, gguf_file=path.name)(text).input_ids == ids[0].tolist()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(ids).logits, ours.model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_q8_0_rounds_the_embedding_as_llama_cpp_stores_it(folders, tmp_path):
+    out, path = _export(folders["llama"], tmp_path, "q4_0", ", embedding: q8_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.attn_norm.weight"] == "F32" and types["blk.0.ffn_down.weight"] == "Q4_0"
+
+
+@pytest.mark.parametrize("gguf_type,scheme", [("q4_0", (4, True)), ("q4_1", (4, False)), ("q8_0", (8, True))])
+def test_packed_blocks_dequantize_to_our_weights(gguf_type, scheme):
+    torch.manual_seed(0)
+    w = torch.randn(8, 4 * GROUP) * torch.rand(8, 1)
+    qw = quantize_weight(w, QuantScheme(scheme[0], GROUP, scheme[1], fp16_scales=True), torch.float32)
+    blocks = pack_blocks(qw.q, qw.scale, qw.zero_point, gguf_type, "w")
+    values = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, gguf_type.upper()))
+    assert torch.equal(torch.from_numpy(values.copy()), dequantize(qw.q, qw.scale, qw.zero_point, torch.float32))
+
+
+def _cli(*args, cwd, capsys, monkeypatch):
+    """``compress ARGS`` in this process, from ``cwd``: (exit status, stderr)."""
+    monkeypatch.chdir(cwd)
+    capsys.readouterr()
+    status = main(list(args))
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "recipe,says",
+    [
+        (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: true}", "q4_1", ""), "q4_1 needs 4-bit asymmetric"),
+        (RECIPE % ("rtn: {bits: 4, group_size: auto, symmetric: true}", "q4_0", ""), "group_size: 32"),
+        (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: true}", "q5_k", ""), "choose one of q4_0, q4_1, q8_0"),
+        (RECIPE % ("lowrank: {method: svd, ratio: 0.8}", "q4_0", ""), "quantized and pruned linears only"),
+        (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: true}", "q4_0", "") + "model: GEMMA", "families"),
+    ],
+    ids=["symmetry", "group size", "type", "low-rank", "family"],
+)
+def test_what_gguf_cannot_hold_fails_before_compute_in_one_line(recipe, says, tmp_path, smollm2, capsys, monkeypatch):
+    if "GEMMA" in recipe:
+        recipe = recipe.replace("GEMMA", str(tiny_folder(tmp_path / "gemma", smollm2.tokenizer, "gemma3_text")))
+    (tmp_path / "r.yaml").write_text(recipe)
+    status, err = _cli(
+        "apply", "r.yaml", "--output", "out", "--no-eval", cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch
+    )
+    assert status == 2 and says in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_compress_export_writes_a_gguf_from_an_export(folders, tmp_path, capsys, monkeypatch):
+    out, path = _export(folders["llama"], tmp_path, "q4_0")
+    cli = lambda *args: _cli(*args, cwd=tmp_path, capsys=capsys, monkeypatch=monkeypatch)  # noqa: E731
+    assert cli("export", str(out), "--gguf", "q4_0", "--output", "again.gguf")[0] == 0
+    assert (tmp_path / "again.gguf").read_bytes() == path.read_bytes()
+    status, err = cli("export", str(out), "--gguf", "q4_1", "--output", "wrong.gguf")
+    assert status == 2 and "q4_1 needs 4-bit asymmetric" in err
+    assert not (tmp_path / "wrong.gguf").exists()
+    status, err = cli("export", str(out), "--gguf", "q4_0")
+    assert status == 2 and "--overwrite" in err
+
+
+def test_llama_cpp_reads_the_file_to_our_tokens_and_logits(folders, tmp_path):
+    llama_cpp = pytest.importorskip("llama_cpp")
+    import numpy as np
+
+    out, path = _export(folders["llama"], tmp_path, "q4_1")
+    ours = models.load(str(out), torch.float32)
+    text = "GGUF files, for llama.cpp: 12 blocks of 32 weights!"
+    ids = ours.tokenizer(text).input_ids
+    llm = llama_cpp.Llama(str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1)
+    try:
+        assert llm.tokenize(text.encode(), add_bos=False) == ids
+        llm.eval(ids)
+        theirs = np.array(llm.scores[: len(ids)])
+    finally:
+        llm.close()
+    with torch.no_grad():
+        logits = ours.model(torch.tensor([ids])).logits[0].numpy()
+    # llama.cpp rounds activations to 8 bits before its 4-bit dot products: close, not equal
+    assert np.abs(logits - theirs).max() < 0.05 * np.abs(logits).max()
+    assert (logits.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
