@@ -94,7 +94,7 @@ def apply(
     model, tokenizer = loaded.model, loaded.tokenizer
     for p in recipe.passes:
         p.check(model.model)  # shapes, group sizes, patterns: before any compute
-    if gguf is not None and (problem := gguf_export.family_problem(model.model.config)):
+    if gguf is not None and (problem := gguf_export.family_problem(model.model.config.model_type)):
         raise gguf_export.GGUFError(problem)
     ev = recipe.evaluation
     seqlen, windows = eval_seqlen or ev.seqlen, eval_windows or ev.windows

@@ -80,8 +80,7 @@ def scheme_problem(gguf_type: str, bits: int, group_size, symmetric: bool) -> st
     return None
 
 
-def family_problem(config) -> str | None:
-    model_type = getattr(config, "model_type", None)
+def family_problem(model_type: str | None) -> str | None:
     if model_type not in ARCHES:
         return f"GGUF export knows the families {', '.join(sorted(ARCHES))}; this model is {model_type!r}"
     return None
@@ -289,7 +288,8 @@ def _plan(export: _Export, tensor_map, embedding: str) -> list[_Entry]:
                 (t for t, b in TYPES.items() if (b.bits, GROUP, b.symmetric) == (bits, group, symmetric)), None
             )
             if gguf_type is None:
-                raise GGUFError(f"{owner}: {scheme_problem('q4_0' if bits == 4 else 'q8_0', bits, group, symmetric)}")
+                kinds = "; ".join(f"{t}: {b.describe()}" for t, b in TYPES.items())
+                raise GGUFError(f"{owner}: {bits}-bit weights in groups of {group} fit no GGUF type we write ({kinds})")
             entries.append(_Entry(gguf_name, owner, True, gguf_type))
         elif len(export.shapes[key]) == 1:
             entries.append(_Entry(gguf_name, key, False, "f32"))
@@ -351,8 +351,10 @@ def write(folder: str | Path, gguf_type: str | None, out: str | Path, embedding:
     folder, out = Path(folder), Path(out)
     export = _Export(folder)
     config = export.config
-    if problem := family_problem(type("C", (), {"model_type": config.get("model_type")})):
+    if problem := family_problem(config.get("model_type")):
         raise GGUFError(problem)
+    if (folder / "adapter").is_dir():
+        raise GGUFError(f"{folder} carries a LoRA adapter, which GGUF files do not hold; merge it (merge: true)")
     arch = ARCHES[config["model_type"]]
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
     tensor_map = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
