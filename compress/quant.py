@@ -109,7 +109,7 @@ def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype):
 
 def round_significand(x: torch.Tensor, bits: int) -> torch.Tensor:
     """``x`` (positive) rounded to ``bits`` significant bits within float16's normal range: a
-    float16 number (with 11 bits), whose products with small integers are float16 numbers too."""
+    float16 number, whose products with integers of up to 11 - ``bits`` bits are float16 too."""
     x = x.float().clamp(min=2.0**-14, max=65504.0)
     mantissa, exponent = torch.frexp(x)  # x = mantissa * 2^exponent, 0.5 <= mantissa < 1
     return torch.ldexp(torch.round(torch.ldexp(mantissa, torch.tensor(bits))), exponent - bits).clamp(max=65504.0)
