@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from . import data, export, gguf_export, kv_quant, memory, models, resume
+from . import data, distributed, export, gguf_export, kv_quant, memory, models, resume
 from .evaluate import evaluate, windows_of
 from .passes import ModelPass
 from .pipeline import activation_store, run_passes
@@ -63,14 +63,18 @@ def apply(
     spill: str | Path | None = None,
     resume_run: bool = False,
     keep_blocks: bool = True,
-) -> Report:
+) -> Report | None:
     """Read the model a block at a time, compress each block and write it to the export at once,
     then evaluate the export against the original, again a block at a time. ``spill``: a folder
     where calibration activations are kept in files instead of RAM. A calibrated sweep keeps
     each finished block beside the output until the export is in place (``resume``; not with
     ``keep_blocks=False``); ``resume_run`` reads them back after a killed run instead of
     compressing them again. ``dtype`` (the storage dtype) defaults to bfloat16, and to float32 for
-    a recipe that exports GGUF, whose weights must be the very numbers llama.cpp computes with."""
+    a recipe that exports GGUF, whose weights must be the very numbers llama.cpp computes with.
+
+    Under torchrun every rank calls this: each calibrates and evaluates on its share of the
+    samples and windows (``compress/distributed.py``), rank 0 alone writes the export and returns
+    the report; the other ranks return None."""
     source = model_source or recipe.model
     gguf = recipe.export if recipe.export.format == "gguf" else None
     if gguf is not None and dtype is not None and models.parse_dtype(dtype) != torch.float32:
@@ -85,7 +89,9 @@ def apply(
     out = Path(output or Path("out") / f"{recipe.name}-{Path(source).name}")
     inputs = [Path(p) for p in (source, recipe.source) if p is not None and Path(p).exists()]
     protected = tuple(p if p.is_dir() else p.parent for p in inputs)  # never replaced by --overwrite
-    export.check_output(out, overwrite, protected)
+    main = distributed.is_main()
+    if main:
+        export.check_output(out, overwrite, protected)
     dev, torch_dtype = models.pick_device(device), models.parse_dtype(dtype)
     store = activation_store(spill, dev)
     torch.manual_seed(seed)
@@ -103,19 +109,24 @@ def apply(
     whole = recipe.needs_data and cal.source == data.SELF or any(isinstance(p, ModelPass) for p in recipe.passes)
     n_samples = (samples or cal.samples) if recipe.needs_data else 0
     keep_blocks = keep_blocks and recipe.needs_data  # the long sweeps
+    if distributed.size() > 1:
+        _check_processes(recipe, n_samples, len(eval_data) if eval_data is not None else None, resume_run)
+        keep_blocks = False  # each rank would need every rank's blocks to resume
     need = memory.plan(
         model,
         recipe.passes,
         dev,
-        n_samples,
+        len(distributed.share(n_samples)),
         cal.seqlen,
-        windows if eval_data is not None else 0,
+        len(distributed.share(windows)) if eval_data is not None else 0,
         seqlen,
         whole,
         spill is not None,
         keep_blocks,
     )
-    print(f"[compress] memory plan: {need.describe()}", flush=True)
+    need.processes = distributed.local_size() if dev.type == "cpu" else 1
+    if main:
+        print(f"[compress] memory plan: {need.describe()}", flush=True)
     memory.check(need, dev)
     if spill is not None:
         memory.check_disk(need, spill)
@@ -125,7 +136,7 @@ def apply(
             f"--resume: {recipe.name} {why}, so it keeps no blocks to resume from; run it without --resume"
         )
     checkpoints = None
-    if recipe.needs_data:  # what makes the blocks what they are, for --resume (a plain run removes old ones)
+    if recipe.needs_data and main:  # what makes the blocks what they are, for --resume (a plain run removes old ones)
         key = {
             "recipe": recipe.text,
             "model": str(source),
@@ -144,8 +155,17 @@ def apply(
         ids, calib_what = data.calibration_batches(
             model.model, tokenizer, cal.source, samples or cal.samples, cal.seqlen, seed
         )
-    writer = export.Export(out, overwrite, (max_shard_mb or export.MAX_SHARD_BYTES // 2**20) * 2**20, protected)
+    writer = (
+        export.Export(out, overwrite, (max_shard_mb or export.MAX_SHARD_BYTES // 2**20) * 2**20, protected)
+        if main
+        else None
+    )
     try:  # everything, the report included, goes to the writer's temporary folder; renamed at the end
+        if eval_data is not None and not distributed.everyone(Path(_shared(writer)).is_dir()):
+            raise distributed.DistributedError(
+                f"{out.parent} is not on a file system every process sees, so they cannot read the export "
+                "back to evaluate it; add --no-eval and run `compress eval` on the export afterwards"
+            )
         prefix = model.prefix
         run_passes(
             model,
@@ -153,10 +173,18 @@ def apply(
             recipe.passes,
             dev,
             lambda: models.open_streamed(source, torch_dtype).model.load_all(),
-            on_block=lambda i, block: writer.add(block, f"{prefix}{i}."),
+            on_block=(lambda i, block: writer.add(block, f"{prefix}{i}.")) if main else None,
             store=store,
             checkpoints=checkpoints if keep_blocks else None,
         )
+        if not main:  # the other ranks' part: their share of the evaluation windows
+            if eval_data is not None:
+                reference = models.open_streamed(source, torch_dtype).model if ev.kl else None
+                compressed = models.open_streamed(_shared(None), torch_dtype).model
+                evaluate(
+                    compressed, tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data, device=dev
+                )
+            return None
         writer.add(model.model, skip=prefix.rstrip("."))
         compress_s = time.perf_counter() - start
         totals = writer.totals
@@ -194,8 +222,8 @@ def apply(
         )
         del model, loaded
         if eval_data is not None:
-            compressed = models.open_streamed(str(written), torch_dtype).model  # what was written, read back
             reference = models.open_streamed(source, torch_dtype).model if ev.kl else None
+            compressed = models.open_streamed(_shared(written), torch_dtype).model  # what was written, read back
             result = evaluate(
                 compressed, tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data, device=dev
             )
@@ -203,7 +231,8 @@ def apply(
             report.peak_rss_gb = peak_rss_gb()
         (written / export.REPORT).write_text(json.dumps(report.as_dict(), indent=2))
     except BaseException:
-        writer.abort()
+        if writer is not None:
+            writer.abort()
         if checkpoints is not None and (checkpoints.folder / resume.STATE).is_file():
             print(
                 f"[compress] the blocks finished so far are kept in {checkpoints.folder}: the same command "
@@ -215,6 +244,28 @@ def apply(
     if checkpoints is not None:
         checkpoints.remove()
     return report
+
+
+def _shared(path) -> str:
+    """Rank 0's folder (the export being written), as every rank names it: a ``Path`` on rank 0,
+    None on the others. The same collective on every rank, in the same order."""
+    return distributed.broadcast_text(str(getattr(path, "tmp", path)) if path is not None else None)
+
+
+def _check_processes(recipe: Recipe, samples: int, windows: int | None, resume_run: bool) -> None:
+    """What a run of several processes cannot do, said before any compute."""
+    n = distributed.size()
+    trainers = [p.where for p in recipe.passes if not p.data_parallel]
+    if trainers:
+        raise distributed.DistributedError(
+            f"{trainers[0]} trains the model, which runs in one process only: run this recipe without torchrun"
+        )
+    if resume_run:
+        raise distributed.DistributedError("--resume: a run of several processes keeps no blocks; run without it")
+    if 0 < samples < n:
+        raise distributed.DistributedError(f"--samples {samples} is fewer than the {n} processes; give each one")
+    if windows is not None and windows < n:
+        raise distributed.DistributedError(f"--windows {windows} is fewer than the {n} processes; give each one")
 
 
 def format_table(reports: list[Report]) -> str:

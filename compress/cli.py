@@ -1,4 +1,6 @@
-"""Command line: ``compress apply | eval | decode | report | recipes``.
+"""Command line: ``compress apply | eval | decode | report | export | recipes``.
+
+``apply`` and ``eval`` also run as several processes: ``torchrun --nproc-per-node N -m compress apply ...``.
 
 Expected failures (bad recipe, missing model, offline hub, existing output) print
 one line saying what to change and exit with status 2; nothing is written.
@@ -10,10 +12,13 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import warnings
 from pathlib import Path
 
+from . import distributed
 from .arch import UnknownArchitecture
 from .data import DataError
 from .decode import DecodeError
@@ -39,6 +44,7 @@ USER_ERRORS = (
     MemoryPlanError,
     ResumeError,
     ReportError,
+    distributed.DistributedError,
 )
 
 
@@ -64,6 +70,8 @@ def _apply(args) -> None:
         resume_run=args.resume,
         keep_blocks=not args.no_checkpoints,
     )
+    if report is None:  # a rank other than 0 of a torchrun run: rank 0 reports
+        return
     print()
     print(f"model: {report.model}    output: {report.output}")
     print(f"calibration: {report.calibration}")
@@ -113,6 +121,8 @@ def _eval(args) -> None:
         reference = json.loads(manifest.read_text()).get("base_model")
     ref_model = models.open_streamed(reference, dtype).model if reference and reference != "none" else None
     result = evaluate(loaded.model, loaded.tokenizer, args.ppl, args.seqlen, args.windows, ref_model, device=device)
+    if not distributed.is_main():  # torchrun: every rank scored its windows; rank 0 reports
+        return
     print(f"model: {args.model}    reference: {reference or 'none'}")
     print(f"protocol: {result.protocol}")
     print(f"perplexity: {result.ppl:.4f}")
@@ -531,13 +541,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds like an error: a half-written export is removed
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     warnings.simplefilter("default")
+    if threading.current_thread() is threading.main_thread():  # only the main thread may set a handler
+        signal.signal(signal.SIGTERM, _terminated)  # torchrun stops the other ranks with SIGTERM when one fails
     try:
+        if args.func in (_apply, _eval) and distributed.launched():
+            args.device = distributed.start(args.device)
         args.func(args)
     except USER_ERRORS as e:
-        print(f"compress: error: {e}", file=sys.stderr)
+        who = f" (rank {distributed.rank()} of {distributed.size()})" if distributed.size() > 1 else ""
+        print(f"compress: error{who}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("compress: interrupted; no output was written", file=sys.stderr)
@@ -551,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    finally:
+        distributed.stop()
     return 0
 
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from . import distributed
 from .hessian import Hessian, dead_columns, inverse_cholesky
 from .quant import QuantizedWeight, QuantScheme, compute_qparams
 from .sparsity import Pattern, nm_mask, select_mask
@@ -30,26 +31,49 @@ class SweepResult:
     quantized: QuantizedWeight | None  # the integers, when a scheme was given
 
 
-@torch.no_grad()
 def obs_sweep(
     weight: torch.Tensor,
     H: torch.Tensor,
     name: str,
     *,
     scheme: QuantScheme | None = None,
-    dtype: torch.dtype = torch.float32,
     prune: Pattern | None = None,
     mask: torch.Tensor | None = None,
+    **options,
+) -> SweepResult:
+    """Round (``scheme``) and/or prune (``prune``, or a fixed ``mask``) ``weight`` column by column.
+
+    Options: ``dtype``, the storage dtype scales are rounded to; ``percdamp``; ``blocksize``;
+    ``actorder``: columns go in order of decreasing ``diag(H)`` while group scales stay tied to
+    the original column positions ("static groups"), so the export needs no permutation (no
+    ``g_idx``). With several processes each rank sweeps a share of the rows (they never
+    interact, except through an unstructured mask, chosen across rows: that sweep runs whole).
+    """
+
+    def rows(r: range):
+        part = slice(r.start, r.stop)
+        out = _sweep(weight[part], H, name, scheme, prune, None if mask is None else mask[part], **options)
+        q = out.quantized
+        return (out.weight, out.mask) + (() if q is None else (q.q, q.scale, q.zero_point))
+
+    split = prune is None or prune.structured
+    w, m, *q = distributed.by_rows(rows, weight.shape[0], split)
+    return SweepResult(w, m, QuantizedWeight(scheme, *q) if q else None)
+
+
+@torch.no_grad()
+def _sweep(
+    weight: torch.Tensor,
+    H: torch.Tensor,
+    name: str,
+    scheme: QuantScheme | None,
+    prune: Pattern | None,
+    mask: torch.Tensor | None,
+    dtype: torch.dtype = torch.float32,
     percdamp: float = 0.01,
     blocksize: int = 128,
     actorder: bool = False,
 ) -> SweepResult:
-    """Round (``scheme``) and/or prune (``prune``, or a fixed ``mask``) ``weight`` column by column.
-
-    ``dtype`` is the storage dtype scales are rounded to. With ``actorder`` columns go in
-    order of decreasing ``diag(H)`` while group scales stay tied to the original column
-    positions ("static groups"), so the export needs no permutation (no ``g_idx``).
-    """
     W = weight.float().clone()
     rows, cols = W.shape
     W[:, dead_columns(H)] = 0

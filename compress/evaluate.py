@@ -26,7 +26,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from . import kv_quant, lazy, pipeline
+from . import distributed, kv_quant, lazy, pipeline
 from .arch import arch_of
 from .data import DataError, describe_source, load_text, tokenize
 from .lazy import StreamedModel, streamed
@@ -156,9 +156,17 @@ def evaluate_many(
     runs block by block over all windows, so only its current block is in memory, with one
     set of hidden states per model. Log-probabilities are formed a chunk of positions at a
     time, never as a whole (seqlen × vocab) tensor. ``device``: where blocks compute (default:
-    where the first model's embeddings are).
+    where the first model's embeddings are). With several processes each scores its share of
+    the windows and the sums are combined.
     """
     data = windows_of(tokenizer, source, seqlen, windows) if data is None else data
+    if len(data) < distributed.size():
+        raise DataError(
+            f"{len(data)} evaluation windows for {distributed.size()} processes; give each one at least one"
+        )
+    mine = distributed.share(len(data))  # several processes: each scores its own windows
+    data = data[mine.start : mine.stop]
+    progress = progress and distributed.is_main()
     everyone = {name: streamed(m) for name, m in models.items()}
     if reference is not None:
         everyone[_REF] = streamed(reference)
@@ -176,6 +184,8 @@ def evaluate_many(
         for m in everyone.values():
             stack.enter_context(_head_for_compute(m.model, device))
         _score(data, hidden, heads, scores)
+    for sc in scores.values():  # sums over every rank's windows
+        sc.nll, sc.kl, sc.agree, sc.count = distributed.total(sc.nll, sc.kl, sc.agree, sc.count)
     protocol = f"{describe_source(source, 'test')}, {windows} × {seqlen} tokens"
     ref_ppl = math.exp(scores[_REF].nll / scores[_REF].count) if reference is not None else None
     out = {}
@@ -227,7 +237,8 @@ def reference_hidden(model: StreamedModel, data: torch.Tensor, device: torch.dev
             hidden = None
         if hidden is not None:
             os.utime(path)  # most recently used
-            print(f"[compress] reference: hidden states read from {path} (computed by an earlier run)", file=sys.stderr)
+            if distributed.is_main():
+                print(f"[compress] reference: hidden states read from {path} (an earlier run's)", file=sys.stderr)
             return hidden
     hidden = final_hidden(model, data, device, progress, "evaluating reference")
     size = sum(h.numel() * h.element_size() for h in hidden)
@@ -243,11 +254,12 @@ def reference_hidden(model: StreamedModel, data: torch.Tensor, device: torch.dev
             return hidden
         for old in sorted(folder.glob("*.safetensors"), key=lambda f: f.stat().st_mtime)[:-REFERENCE_CACHE_FILES]:
             old.unlink(missing_ok=True)  # ours: this folder holds only what this function wrote
-        print(
-            f"[compress] reference: kept its hidden states for later runs on these windows ({size / 1e6:.0f} MB "
-            f"in {folder})",
-            file=sys.stderr,
-        )
+        if distributed.is_main():
+            print(
+                f"[compress] reference: kept its hidden states for later runs on these windows ({size / 1e6:.0f} MB "
+                f"in {folder})",
+                file=sys.stderr,
+            )
     return hidden
 
 

@@ -18,6 +18,8 @@ import warnings
 
 import torch
 
+from . import distributed
+
 
 def statistics_dtype(device: torch.device) -> torch.dtype:
     """float64 where it runs at a useful rate: CPUs, and data-centre GPUs (compute capability 8.0, 9.0)."""
@@ -49,6 +51,12 @@ class Hessian:
         for start in range(0, width, self.PANEL):
             end = min(start + self.PANEL, width)
             self.lower[start:end, :end].addmm_(x[:, start:end].T, x[:, :end])
+        self._H = None
+
+    def reduce(self) -> None:
+        """The sums over every rank's samples (several processes)."""
+        distributed.sum_(self.lower)
+        self.n = int(distributed.total(self.n)[0])
         self._H = None
 
     @property

@@ -35,17 +35,20 @@ class MemoryPlan:
     disk: dict[str, int] = field(default_factory=dict)  # spilled (``apply --spill``): files, not RAM
     kept: int = 0  # disk beside the output for the finished blocks ``--resume`` reads back
     where: str = "RAM"
+    processes: int = 1  # processes of one run sharing this memory (torchrun on one machine's CPU)
 
     @property
     def peak(self) -> int:
-        return RUNTIME + sum(self.shared.values()) + max(sum(self.compress.values()), sum(self.evaluate.values()))
+        one = RUNTIME + sum(self.shared.values()) + max(sum(self.compress.values()), sum(self.evaluate.values()))
+        return self.processes * one
 
     def describe(self) -> str:
         parts = {**self.shared, **self.compress, **self.evaluate}
         top = ", ".join(f"{k} {v / GB:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
         spilled = "".join(f"; {k} on disk ≈ {v / GB:.1f} GB" for k, v in self.disk.items())
         kept = f"; finished blocks kept for --resume ≤ {self.kept / GB:.1f} GB on disk" if self.kept else ""
-        return f"peak {self.where} ≈ {self.peak / GB:.1f} GB ({top} GB){spilled}{kept}"
+        processes = f" for {self.processes} processes, each holding" if self.processes > 1 else ""
+        return f"peak {self.where} ≈ {self.peak / GB:.1f} GB{processes} ({top} GB){spilled}{kept}"
 
 
 def available_bytes(device: torch.device) -> int | None:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from . import distributed
 from .arch import arch_of, decoder_layers
 from .data import DataError
 from .lazy import streamed
@@ -317,7 +318,8 @@ class BlockData:
 
         ``groups`` are tuples of linears that read the same input (q/k/v), given in
         forward order: they share one statistic, built by ``make_stat(first_linear)``
-        and fed via ``.add(x)``. The forward stops at the last group.
+        and fed via ``.add(x)``. The forward stops at the last group. With several processes,
+        each statistic is then combined over every rank's samples (its ``.reduce()``).
 
         ``replay_after`` (one group of one linear that ends its module, as o_proj ends the
         attention): keep that linear's inputs, and let later forwards of this pass rebuild the
@@ -341,6 +343,8 @@ class BlockData:
             add = hooks[linear]
             hooks[linear] = lambda x: (add(x), kept.append(x))
         self.forward(hooks, stop_at=linear)
+        for stat in {id(s): s for s in stats.values()}.values():
+            stat.reduce()
         if tail is not False and len(kept) == len(self.inputs):
             self.replay[module] = _Replay(
                 self.block.get_submodule(module), self.block.get_submodule(linear), kept, tail
@@ -378,13 +382,16 @@ def run_sequential(
     model = streamed(model)
     storage = model.dtype
     dtype = compute_dtype(device, storage)
+    if ids is not None:
+        mine = distributed.share(len(ids))  # several processes: each calibrates on its own samples
+        ids = ids[mine.start : mine.stop]
     inputs, calls = capture_inputs(model.model, ids, device, dtype, store) if ids is not None else (None, None)
     keep_original = any(getattr(p, "needs_original", False) for p in passes)
     resumable = checkpoints.resumable if checkpoints is not None else 0
     for p in passes:  # this run's training logs (a recipe may be applied twice in one process)
         if isinstance(getattr(p, "log", None), dict):
             p.log = dict(checkpoints.logs.get(p.where, {})) if resumable else {}
-    for i in tqdm(range(len(model)), desc="compressing blocks", unit="block"):
+    for i in tqdm(range(len(model)), desc="compressing blocks", unit="block", disable=not distributed.is_main()):
         with model.block(i, keep=keep) as block:
             home = _home(block)
             if i < resumable:

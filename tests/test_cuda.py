@@ -17,9 +17,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CUDA = torch.device("cuda")
 
 
-def test_gptq_sweep_on_cuda_puts_every_group_on_a_4_bit_grid():
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_sweep_on_cuda_puts_every_group_on_a_4_bit_grid(method):
     model = tiny("llama").to(torch.bfloat16)
-    recipe = parse("passes:\n  - gptq: {bits: 4, group_size: 32}\n")
+    recipe = parse(f"passes:\n  - {method}: {{bits: 4, group_size: 32}}\n")
     ids = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(0))
     for p in recipe.passes:
         p.check(model)

@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import torch
 
+from .. import distributed
 from ..arch import Scaling, foldable_scalings
 from ..quant import QuantScheme, attach, compute_qparams, dequantize, fake_quantize, quantize, quantize_weight
 from .base import RecipeError, WeightQuantOptions, WeightQuantPass
@@ -36,15 +37,37 @@ class _Inputs:
         self.limit, self.abs_sum, self.n, self.samples = limit, None, 0, []
 
     def add(self, x: torch.Tensor) -> None:
-        s = x.reshape(-1, x.shape[-1]).float().abs().sum(0)
+        s = x.reshape(-1, x.shape[-1]).double().abs().sum(0)  # float64: the order of the sums does not show
         self.abs_sum = s if self.abs_sum is None else self.abs_sum + s
         if sum(t[0].numel() for t in self.samples) // x.shape[-1] < self.limit:
             self.samples.append(x)
         self.n += x.numel() // x.shape[-1]
 
+    def reduce(self) -> None:
+        """Several processes: sums over every rank's samples, and the search samples a single
+        process would keep (the first ``limit`` tokens of the whole calibration set, in rank order)."""
+        if distributed.size() == 1:
+            return
+        distributed.sum_(self.abs_sum)
+        self.n = int(distributed.total(self.n)[0])
+        counts = [0] * distributed.size()
+        counts[distributed.rank()] = len(self.samples)
+        counts = [int(c) for c in distributed.total(*counts)]
+        kept, tokens = [], 0
+        for r, count in enumerate(counts):
+            for j in range(count):
+                if tokens >= self.limit:
+                    break
+                mine = r == distributed.rank()  # every rank's samples have one shape (the calibration seqlen)
+                t = self.samples[j].contiguous() if mine else torch.empty_like(self.samples[0])
+                distributed.broadcast_(t, r)
+                kept.append(t)
+                tokens += t[0].numel() // t.shape[-1]
+        self.samples = kept
+
     @property
     def mean_abs(self) -> torch.Tensor:
-        return self.abs_sum / self.n
+        return (self.abs_sum / self.n).float()
 
     @property
     def x(self) -> torch.Tensor:
@@ -68,20 +91,27 @@ def search_scale(
     originals = [lin.weight.data.clone() for lin in linears]
     reference = [forward(x) for x in inputs.samples]
     x_mean = inputs.mean_abs
-    best, best_err = torch.ones_like(x_mean), float("inf")
+
+    def scale(i: int) -> torch.Tensor:
+        s = x_mean.pow(i / grid).clamp(min=1e-4)  # α = 0 is plain rounding: never worse than RTN here
+        return s / (s.max() * s.min()).sqrt()
+
+    def error(i: int) -> float:
+        s = scale(i)
+        for lin, w in zip(linears, originals):
+            lin.weight.data = (fake_quantize(w.float() * s, scheme) / s).to(w.dtype)
+        return sum((forward(x).float() - r.float()).pow(2).mean().item() for x, r in zip(inputs.samples, reference))
+
     try:
-        for i in range(grid):
-            s = x_mean.pow(i / grid).clamp(min=1e-4)  # α = 0 is plain rounding: never worse than RTN here
-            s = s / (s.max() * s.min()).sqrt()
-            for lin, w in zip(linears, originals):
-                lin.weight.data = (fake_quantize(w.float() * s, scheme) / s).to(w.dtype)
-            err = sum((forward(x).float() - r.float()).pow(2).mean().item() for x, r in zip(inputs.samples, reference))
-            if err < best_err:
-                best, best_err = s, err
+        errors = distributed.pick(grid, error)  # several processes: grid points split
     finally:
         for lin, w in zip(linears, originals):
             lin.weight.data = w
-    return best
+    best, best_err = None, float("inf")
+    for i, err in enumerate(errors):
+        if err < best_err:
+            best, best_err = i, err
+    return torch.ones_like(x_mean) if best is None else scale(best)
 
 
 @torch.no_grad()
@@ -165,9 +195,12 @@ class AWQ(WeightQuantPass):
             stat.rescale(s)  # the clip search sees the scaled block's inputs
         for name, lin in targets.items():
             if o.clip and not name.endswith(("q_proj", "k_proj")):  # q/k errors are amplified by softmax
-                lin.weight.data = search_clip(
-                    lin.weight.data, inputs[name].x, self.scheme, o.clip_grid, o.max_shrink
-                ).to(lin.weight.dtype)
+                w, x = lin.weight.data, inputs[name].x
+                (clipped,) = distributed.by_rows(  # rows never interact: several processes split them
+                    lambda r, w=w, x=x: [search_clip(w[r.start : r.stop], x, self.scheme, o.clip_grid, o.max_shrink)],
+                    w.shape[0],
+                )
+                lin.weight.data = clipped.to(lin.weight.dtype)
             if o.quantize:
                 attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
 

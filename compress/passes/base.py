@@ -36,6 +36,7 @@ class LayerPass:
     Options: ClassVar[type[PassOptions]]
     needs_data: ClassVar[bool] = True
     compresses: ClassVar[bool] = True  # changes the weights (recovery and the KV cache do not)
+    data_parallel: ClassVar[bool] = True  # runs with several processes (torchrun); training passes do not
 
     def __init__(self, options: PassOptions, where: str):
         self.options = options
@@ -74,6 +75,7 @@ class ModelPass(LayerPass):
     compressed model, the original as teacher, and the calibration ids."""
 
     compresses = False
+    data_parallel = False
 
     def order_problem(self, before, after):
         if later := [q for q in after if not isinstance(q, ModelPass)]:

@@ -29,6 +29,7 @@ class Blockwise(LinearPass):
     Options = BlockwiseOptions
     needs_original = True  # the pipeline keeps a copy of each block from before the passes
     compresses = False
+    data_parallel = False
 
     def __init__(self, options, where):
         super().__init__(options, where)

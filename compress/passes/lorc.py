@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from .. import distributed
 from ..factored import factors, whitened_svd
 from ..hessian import Hessian, dampened_cholesky
 from ..quant import quantized_of
@@ -57,6 +58,7 @@ class LoRC(LinearPass):
             B, A = B.to(self.dtype), A.to(self.dtype)  # as the adapter is exported
             lin.weight.data = (lin.weight.float() + B.float() @ A.float()).to(self.dtype).to(lin.weight.dtype)
             lin.lora = (B, A)
+            distributed.same_as_main([lin.weight, B, A])  # every rank computed it; rank 0's is kept
 
     def summary(self) -> str:
         return f"lorc r{self.options.rank} ({self.options.method})"

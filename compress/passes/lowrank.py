@@ -16,6 +16,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from .. import distributed
 from ..factored import Factored, allocate_ranks, factors, rank_for_ratio, whitened_svd
 from ..hessian import Hessian, dampened_cholesky
 from .base import LinearOptions, LinearPass
@@ -32,12 +33,16 @@ class LowRankOptions(LinearOptions):
 
 class _MeanAbs:
     def __init__(self, linear: torch.nn.Linear):
-        self.sum, self.n = torch.zeros(linear.in_features, device=linear.weight.device), 0
+        self.sum, self.n = torch.zeros(linear.in_features, device=linear.weight.device, dtype=torch.float64), 0
 
-    def add(self, x: torch.Tensor) -> None:
-        x = x.reshape(-1, x.shape[-1]).float()
+    def add(self, x: torch.Tensor) -> None:  # float64: the order of the sums (one process or several) does not show
+        x = x.reshape(-1, x.shape[-1]).double()
         self.sum += x.abs().sum(0)
         self.n += x.shape[0]
+
+    def reduce(self) -> None:
+        distributed.sum_(self.sum)
+        self.n = int(distributed.total(self.n)[0])
 
 
 class LowRank(LinearPass):
@@ -66,7 +71,7 @@ class LowRank(LinearPass):
         if o.method == "svd":
             return None, False
         if o.method == "asvd":
-            return (stat.sum / max(stat.n, 1)).clamp(min=1e-6).pow(o.alpha), True
+            return (stat.sum / max(stat.n, 1)).float().clamp(min=1e-6).pow(o.alpha), True
         L = dampened_cholesky(stat.H, o.percdamp, name)
         if L is None:
             warnings.warn(f"{name}: XᵀX could not be factorised; whitening by its diagonal instead", stacklevel=3)
@@ -93,6 +98,8 @@ class LowRank(LinearPass):
             (U, sigma, Vh), S, diagonal = decomposed[name]
             B, A = factors(U, sigma, Vh, ranks[name], S, diagonal)
             self._replace(block, name, lin, B, A)
+        # every rank factored the same statistics; rank 0's result is kept so blocks cannot drift apart
+        distributed.same_as_main([p for name in targets for p in block.get_submodule(name).parameters()])
 
     def _replace(self, block, name: str, lin: torch.nn.Linear, B: torch.Tensor, A: torch.Tensor) -> None:
         store = lambda t: t.to(self.dtype).to(lin.weight.dtype).contiguous()  # noqa: E731  (as it will be stored)

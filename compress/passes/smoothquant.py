@@ -15,6 +15,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
+from .. import distributed
 from ..arch import foldable_scalings
 from ..quant import ActivationScheme, quantize_inputs
 from .awq import fold
@@ -33,6 +34,9 @@ class _AbsMax:
 
     def add(self, x: torch.Tensor) -> None:
         self.max = torch.maximum(self.max, x.reshape(-1, x.shape[-1]).abs().amax(0).float())
+
+    def reduce(self) -> None:
+        distributed.max_(self.max)
 
 
 def smoothing_factors(x_max: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:

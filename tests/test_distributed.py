@@ -1,0 +1,109 @@
+"""Several processes (torchrun, gloo on the CPU): each rank calibrates and evaluates on its share,
+statistics are combined, sweeps split by rows, and the export equals one process's."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import tiny_folder
+from safetensors.torch import load_file
+
+from compress import distributed
+from compress.apply import apply
+from compress.recipe import parse
+
+PASSES = {  # every statistic and split: Hessians and sweep rows, AWQ's means, grid and clip rows, maxima
+    "awq scales + gptq actorder": "  - awq: {bits: 4, group_size: 32, grid: 4, quantize: false}\n"
+    "  - gptq: {bits: 4, group_size: 32, actorder: true}\n",
+    "sparsegpt 2:4, smoothquant, gptq W8": "  - sparsegpt: {pattern: '2:4'}\n  - smoothquant: {alpha: 0.5}\n"
+    "  - gptq: {bits: 8, group_size: -1}\n",
+}
+RECIPE = "calibration: {samples: 5, seqlen: 64}\nevaluation: {windows: 3, seqlen: 64}\npasses:\n"
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory, smollm2):
+    return tiny_folder(tmp_path_factory.mktemp("model"), smollm2.tokenizer)
+
+
+def _run(args, processes: int):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", "--standalone"]
+    command = (launcher if processes > 1 else [sys.executable]) + ["-m", "compress", *args]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    ) as run:
+        try:
+            out, err = run.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            os.killpg(run.pid, signal.SIGKILL)  # the launcher and its workers: none is left waiting
+            raise
+    return subprocess.CompletedProcess(command, run.returncode, out, err)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed in this build")
+@pytest.mark.parametrize("passes", PASSES.values(), ids=PASSES.keys())
+def test_two_processes_write_the_export_one_process_writes(passes, model_folder, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE + passes)
+    outputs = {}
+    for processes in (1, 2):
+        out = tmp_path / f"out{processes}"
+        done = _run(
+            ["apply", str(recipe), "--model", str(model_folder), "--output", str(out), "--device", "cpu"], processes
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[processes] = out
+    one, two = (load_file(outputs[n] / "model.safetensors") for n in (1, 2))
+    assert one.keys() == two.keys()
+    for name in one:
+        assert torch.equal(one[name], two[name]), name
+    assert sorted(p.name for p in outputs[2].iterdir()) == sorted(p.name for p in outputs[1].iterdir())
+    reports = [json.loads((outputs[n] / "report.json").read_text())["eval"] for n in (1, 2)]
+    for key in ("ppl", "ref_ppl", "kl", "top1"):  # the windows split across ranks, the sums combined
+        assert reports[1][key] == pytest.approx(reports[0][key], rel=1e-9, abs=1e-12), key
+
+
+def test_a_refused_run_of_two_processes_says_why_in_one_line_and_writes_nothing(model_folder, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE + PASSES["awq scales + gptq actorder"])
+    out = tmp_path / "out"
+    done = _run(["apply", str(recipe), "--model", str(model_folder), "--output", str(out), "--samples", "1"], 2)
+    assert done.returncode != 0
+    assert "compress: error (rank 0 of 2): --samples 1 is fewer than the 2 processes" in done.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.parametrize(
+    "passes, flag, message",
+    [
+        ("  - gptq: {bits: 3}\n  - distill: {steps: 2}\n", {}, "passes[1].distill trains the model"),
+        ("  - gptq: {bits: 3}\n  - blockwise: {steps: 2}\n", {}, "passes[1].blockwise trains the model"),
+        ("  - gptq: {bits: 4}\n", {"resume_run": True}, "--resume: a run of several processes"),
+        ("  - gptq: {bits: 4}\n", {"eval_windows": 1}, "--windows 1 is fewer than the 2 processes"),
+    ],
+)
+def test_what_several_processes_cannot_do_is_refused_before_compute(
+    passes, flag, message, model_folder, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(distributed, "size", lambda: 2)  # the checks, without starting two processes
+    recipe = parse(RECIPE + passes)
+    with pytest.raises(distributed.DistributedError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        apply(recipe, str(model_folder), tmp_path / "out", "cpu", **flag)
+    assert not (tmp_path / "out").exists()
+
+
+def test_shares_are_contiguous_and_cover_everything(monkeypatch):
+    monkeypatch.setattr(distributed, "size", lambda: 3)
+    assert distributed.shares(8) == [range(0, 3), range(3, 6), range(6, 8)]
+    assert distributed.shares(2) == [range(0, 1), range(1, 2), range(2, 2)]
+
+
+def test_a_single_process_starts_no_process_group(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert not distributed.launched() and distributed.start("cpu") == "cpu"
+    assert distributed.size() == 1 and distributed.rank() == 0 and not torch.distributed.is_initialized()
