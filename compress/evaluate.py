@@ -60,12 +60,14 @@ def windows_of(tokenizer, source: str, seqlen: int, windows: int) -> torch.Tenso
 
 
 def _head(model):
-    """The output head as a function of hidden states (Gemma's final logit soft-capping included)."""
+    """The output head as a function of hidden states (Gemma's final logit soft-capping and
+    Granite's logit scaling included)."""
     head = model.get_output_embeddings()
     cap = getattr(model.config, "final_logit_softcapping", None)
+    divide = getattr(model.config, "logits_scaling", None) or 1.0
 
     def logits(hidden):
-        out = head(hidden).float()
+        out = head(hidden).float() / divide
         return torch.tanh(out / cap) * cap if cap else out
 
     return logits, head.weight.shape[0]

@@ -30,10 +30,11 @@ def model_folder(tmp_path_factory, smollm2):
     return tiny_folder(tmp_path_factory.mktemp("model"), smollm2.tokenizer)
 
 
-def _run(args, processes: int):
+def _run(args, processes: int, program=("-m", "compress")):
+    """``compress`` (or a script) as one process or under torchrun, one thread each."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
     launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", "--standalone"]
-    command = (launcher if processes > 1 else [sys.executable]) + ["-m", "compress", *args]
+    command = (launcher if processes > 1 else [sys.executable]) + [*program, *args]
     with subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     ) as run:
@@ -75,6 +76,32 @@ def test_a_refused_run_of_two_processes_says_why_in_one_line_and_writes_nothing(
     done = _run(["apply", str(recipe), "--model", str(model_folder), "--output", str(out), "--samples", "1"], 2)
     assert done.returncode != 0
     assert "compress: error (rank 0 of 2): --samples 1 is fewer than the 2 processes" in done.stderr
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+FAIL_ON_RANK_1 = """
+import os, sys
+from compress.cli import main
+from compress.data import DataError
+from compress.passes.gptq import GPTQ
+if os.environ["RANK"] == "1":
+    def fail(self, block, data, prefix):
+        raise DataError("a failure on rank 1 alone")
+    GPTQ.apply = fail
+sys.exit(main())
+"""
+
+
+def test_a_failure_on_one_rank_stops_every_rank_and_leaves_nothing(model_folder, tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(FAIL_ON_RANK_1)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE + PASSES["awq scales + gptq actorder"])
+    out = tmp_path / "out"
+    args = ["apply", str(recipe), "--model", str(model_folder), "--output", str(out), "--device", "cpu"]
+    done = _run(args, 2, program=(str(script),))
+    assert done.returncode != 0
+    assert "compress: error (rank 1 of 2): a failure on rank 1 alone" in done.stderr
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 

@@ -1,10 +1,10 @@
 import pytest
 import torch
 
-from compress.arch import arch_of, decoder_layers
+from compress.arch import arch_of, decoder_layers, fold
 from compress.column_sweep import obs_sweep
 from compress.hessian import Hessian
-from compress.passes.awq import fold, search_scale
+from compress.passes.awq import search_scale
 from compress.quant import QuantScheme, dequantize, quantize_weight, quantized_of
 from tests.conftest import compress_with, export_and_reload, tiny
 

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 
 from .. import distributed
-from ..arch import Scaling, foldable_scalings
+from ..arch import fold, foldable_scalings
 from ..quant import QuantScheme, attach, compute_qparams, dequantize, fake_quantize, quantize, quantize_weight
 from .base import RecipeError, WeightQuantOptions, WeightQuantPass
 
@@ -115,25 +115,6 @@ def search_scale(
 
 
 @torch.no_grad()
-def fold(block: torch.nn.Module, mapping: Scaling, s: torch.Tensor, norm_plus_one: bool) -> None:
-    """``prev`` output / s, following linears' input columns × s: the float function is unchanged."""
-    prev = block.get_submodule(mapping.prev)
-    if isinstance(prev, torch.nn.Linear):
-        prev.weight.data = (prev.weight.float() / s.unsqueeze(1)).to(prev.weight.dtype)
-        if prev.bias is not None:
-            prev.bias.data = (prev.bias.float() / s).to(prev.bias.dtype)
-    elif norm_plus_one:  # Gemma: y = x̂ · (1 + w)  ->  1 + w' = (1 + w) / s
-        prev.weight.data = ((1 + prev.weight.float()) / s - 1).to(prev.weight.dtype)
-    else:
-        prev.weight.data = (prev.weight.float() / s).to(prev.weight.dtype)
-        if getattr(prev, "bias", None) is not None:
-            prev.bias.data = (prev.bias.float() / s).to(prev.bias.dtype)
-    for name in mapping.linears:
-        lin = block.get_submodule(name)
-        lin.weight.data = (lin.weight.float() * s).to(lin.weight.dtype)
-
-
-@torch.no_grad()
 def search_clip(
     w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float, tokens: int = 512
 ) -> torch.Tensor:
@@ -171,7 +152,10 @@ class AWQ(WeightQuantPass):
         super().check(model)
         self.mappings = foldable_scalings(model)
         if not self.mappings:
-            raise RecipeError(f"{self.where}: no scaling mapping fits {self.arch.name}; AWQ would do nothing")
+            raise RecipeError(
+                f"{self.where}: model_type {self.arch.name!r} has no scaling mapping (a norm or linear whose output "
+                "feeds linears that a folded scale leaves exact); AWQ would do nothing: use gptq or rtn"
+            )
 
     def apply(self, block, data, prefix: str) -> None:
         o = self.options

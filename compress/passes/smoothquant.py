@@ -16,9 +16,8 @@ import torch
 from pydantic import Field
 
 from .. import distributed
-from ..arch import foldable_scalings
+from ..arch import fold, foldable_scalings
 from ..quant import ActivationScheme, quantize_inputs
-from .awq import fold
 from .base import LinearOptions, LinearPass, RecipeError, WeightQuantPass
 
 
@@ -63,7 +62,10 @@ class SmoothQuant(LinearPass):
         super().check(model)
         self.mappings = foldable_scalings(model) if self.options.smooth else []
         if self.options.smooth and not self.mappings:
-            raise RecipeError(f"{self.where}: no scaling mapping fits {self.arch.name}; set smooth: false")
+            raise RecipeError(
+                f"{self.where}: model_type {self.arch.name!r} has no scaling mapping (a norm or linear whose output "
+                "feeds linears that a folded scale leaves exact); set smooth: false"
+            )
 
     def apply(self, block, data, prefix: str) -> None:
         targets = self.targets(block, prefix)
