@@ -319,7 +319,8 @@ class BlockData:
         ``groups`` are tuples of linears that read the same input (q/k/v), given in
         forward order: they share one statistic, built by ``make_stat(first_linear)``
         and fed via ``.add(x)``. The forward stops at the last group. With several processes,
-        each statistic is then combined over every rank's samples (its ``.reduce()``).
+        each statistic is then combined over every rank's samples (its ``.reduce()``, which a
+        statistic for one process may leave out).
 
         ``replay_after`` (one group of one linear that ends its module, as o_proj ends the
         attention): keep that linear's inputs, and let later forwards of this pass rebuild the
@@ -344,7 +345,10 @@ class BlockData:
             hooks[linear] = lambda x: (add(x), kept.append(x))
         self.forward(hooks, stop_at=linear)
         for stat in {id(s): s for s in stats.values()}.values():
-            stat.reduce()
+            if hasattr(stat, "reduce"):
+                stat.reduce()
+            elif distributed.size() > 1:
+                raise RuntimeError(f"{type(stat).__name__} has no reduce(): it cannot combine several processes' data")
         if tail is not False and len(kept) == len(self.inputs):
             self.replay[module] = _Replay(
                 self.block.get_submodule(module), self.block.get_submodule(linear), kept, tail
