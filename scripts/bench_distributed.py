@@ -7,7 +7,7 @@ A row prints as soon as its run ends; the second row of a recipe compares its ex
 first's: tensors bit-identical, and the largest difference of a reloaded weight.
 
     python scripts/bench_distributed.py --recipes rtn-w4 gptq-w4 awq-w4 sparsegpt-2of4 smoothquant-w8a8 \
-        --samples 32 --windows 8 --root /tmp/bench-distributed
+        --samples 32 --windows 8 --root DIR
 """
 
 from __future__ import annotations
