@@ -176,6 +176,8 @@ def apply(
             on_block=(lambda i, block: writer.add(block, f"{prefix}{i}.")) if main else None,
             store=store,
             checkpoints=checkpoints if keep_blocks else None,
+            min_expert_tokens=recipe.calibration.min_expert_tokens,
+            route_all_experts=recipe.calibration.route_all_experts,
         )
         if not main:  # the other ranks' part: their share of the evaluation windows
             if eval_data is not None:

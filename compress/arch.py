@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import moe
+
 
 @dataclass(frozen=True)
 class Scaling:
@@ -70,12 +72,14 @@ class UnknownArchitecture(ValueError):
 
 def arch_of(model: torch.nn.Module) -> Arch:
     """The table's entry for the model type, else what one traced forward of a block shows
-    (``infer``), kept on the model."""
+    (``infer``), kept on the model. Fused mixture-of-experts weights are first split into one
+    linear per expert projection (``moe.unfuse``), in place: the model computes the same."""
     model_type = getattr(model.config, "model_type", None)
     if model_type in ARCHS:
         return ARCHS[model_type]
     inferred = model.__dict__.get("_compress_arch")
     if inferred is None:
+        moe.unfuse(model)
         inferred = model.__dict__["_compress_arch"] = infer(model)
     return inferred
 
@@ -176,6 +180,11 @@ def infer(model: torch.nn.Module) -> Arch:
     tells Gemma-style ``1 + w`` norms apart)."""
     layers = _layers_path(model)
     block, args, kwargs = _traced_block(model, layers)
+    with moe.routing_all(block):  # every expert is traced, not only those 8 random tokens reach
+        return _infer_traced(model, layers, block, args, kwargs)
+
+
+def _infer_traced(model, layers: str, block, args, kwargs) -> Arch:
     calls, reference = _run_traced(block, args, kwargs)
     linears = [n for n in calls if isinstance(block.get_submodule(n), torch.nn.Linear)]
     if not linears:
@@ -195,8 +204,16 @@ def infer(model: torch.nn.Module) -> Arch:
             stacklevel=3,
         )
     groups: list[list[str]] = []
-    for name in linears:
-        match = next((g for g in groups if _same(calls[g[0]][0], calls[name][0])), None)
+    for name in linears:  # experts read the tokens routed to each: never one statistic for two experts
+        match = next(
+            (
+                g
+                for g in groups
+                if _same(calls[g[0]][0], calls[name][0])
+                and moe.expert_path(block, g[0]) == moe.expert_path(block, name)
+            ),
+            None,
+        )
         (match.append(name) if match else groups.append([name]))
     candidates = []
     for group in groups:

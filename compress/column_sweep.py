@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from . import distributed
+from . import distributed, moe
 from .hessian import Hessian, dead_columns, inverse_cholesky
 from .quant import QuantizedWeight, QuantScheme, compute_qparams
 from .sparsity import Pattern, nm_mask, select_mask
@@ -138,7 +138,7 @@ def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool):
     only after the caller has transformed the groups before it, so it sees their compressed
     outputs; without, one forward observes every group of the block.
     """
-    for stage in [[g] for g in groups] if true_sequential else [groups]:
+    for stage in moe.sequential_stages(data.block, groups) if true_sequential else [groups]:
         # Later stages change only later linears, so o_proj's and down_proj's inputs stay valid:
         # the next stages (and the block's final forward) rebuild attention and MLP outputs from them.
         stats = data.observe(stage, Hessian, replay_after=true_sequential)

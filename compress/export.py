@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import factored, gguf_export, kv_quant
+from . import factored, gguf_export, kv_quant, moe
 from .quant import ActivationScheme, QuantizedWeight, QuantScheme, input_quant_of, quantized_of
 from .sparsity import prune_mask_of
 
@@ -417,6 +417,7 @@ class Export:
             if getattr(m, "lora", None) is not None:
                 self.loras[name] = tuple(t.detach().cpu().contiguous() for t in m.lora)
         seen = set()
+        renames = moe.checkpoint_renames(module, prefix)  # tensors named as the family's checkpoints name them
         for key, tensor in module.state_dict(prefix=prefix).items():
             owner, _, leaf = key.rpartition(".")
             if skip is not None and key.startswith(f"{prefix}{skip}."):
@@ -424,12 +425,12 @@ class Export:
             if owner in quantized:
                 if leaf == "weight":
                     for k, t in self._tensors_of(module, owner, *quantized[owner]).items():
-                        self.shards.add(k, t)
+                        self.shards.add(moe.renamed(k, renames), t)
                 continue
             if tensor.data_ptr() in seen:  # tied lm_head / embeddings
                 continue
             seen.add(tensor.data_ptr())
-            self.shards.add(key, tensor)
+            self.shards.add(moe.renamed(key, renames), tensor)
 
     def finish(self, model: torch.nn.Module, tokenizer, recipe_text: str, manifest: dict, gguf=None) -> Path:
         """Config, tokenizer, recipe, the GGUF file when the recipe's ``export`` (``gguf``) asks for

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from . import factored, kv_quant
+from . import factored, kv_quant, moe
 from .arch import arch_of, decoder_layers
 from .quant import ActivationScheme, quantize_inputs
 
@@ -188,14 +188,16 @@ class StreamedModel:
         all read in one pass over the files."""
         ckpt = self.checkpoint
         subs = module.named_modules(prefix=prefix.rstrip(".")) if recurse else [(prefix.rstrip("."), module)]
+        renames = moe.checkpoint_renames(module, prefix)  # Mixtral's experts are under another name on disk
         wanted = []  # (module name, module, leaf, quantization scheme or None, checkpoint keys)
         for name, sub in subs:
             scheme = self.quantized.scheme_of(name, sub) if self.quantized else None
+            stored = moe.renamed(name, renames)
             for leaf, _ in sub.named_parameters(recurse=False):
                 if leaf == "weight" and scheme is not None:  # decompressed as compressed-tensors does it
-                    keys = [f"{name}.{k}" for k in _QUANTIZED_PARTS if f"{name}.{k}" in ckpt]
+                    keys = [f"{stored}.{k}" for k in _QUANTIZED_PARTS if f"{stored}.{k}" in ckpt]
                 else:
-                    keys = [f"{name}.{leaf}"]
+                    keys = [f"{stored}.{leaf}"]
                 if keys[0] not in ckpt:
                     raise CheckpointError(f"{ckpt.folder} has no tensor {keys[0]} (a checkpoint of another model?)")
                 wanted.append((name, sub, leaf, scheme if leaf == "weight" else None, keys))

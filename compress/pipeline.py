@@ -13,6 +13,7 @@ import copy
 import itertools
 import shutil
 import tempfile
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import distributed
+from . import distributed, moe
 from .arch import arch_of, decoder_layers
 from .data import DataError
 from .lazy import streamed
@@ -364,6 +365,9 @@ class BlockData:
             stand_in.settle()
 
 
+MIN_EXPERT_TOKENS = 16  # as the recipe's calibration.min_expert_tokens
+
+
 def run_sequential(
     model,
     ids: torch.Tensor | None,
@@ -373,6 +377,8 @@ def run_sequential(
     keep: bool = False,
     store: Callable[[], list] = list,
     checkpoints: BlockCheckpoints | None = None,
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
+    route_all_experts: bool = False,
 ) -> None:
     """Apply layer-passes block by block over a ``StreamedModel``. ``ids`` is None when no pass needs data.
 
@@ -382,6 +388,8 @@ def run_sequential(
     makes the lists that hold calibration activations (``activation_store``). ``checkpoints``
     keeps each finished block, and the first ``checkpoints.resumable`` blocks are read back
     from it instead of compressed (they only run over the data, for the next block's inputs).
+    Mixture-of-experts blocks: see ``_calibrate_experts``; ``route_all_experts`` runs every
+    expert on every calibration token while the block's passes observe it.
     """
     model = streamed(model)
     storage = model.dtype
@@ -405,10 +413,17 @@ def run_sequential(
             data = None
             if inputs is not None or original is not None:  # without calibration data, only ``original`` is there
                 data = BlockData(block, inputs or [], calls[i] if calls else ((), {}), original, store)
-            for p in passes if i >= resumable else ():
-                if data is not None:
-                    data.replay = {}  # a pass's stand-ins are only valid until another pass changes the block
-                p.apply(block, data, f"{model.prefix}{i}.")
+            prefix = f"{model.prefix}{i}."
+            if inputs is not None and i >= resumable and moe.experts_of(block):
+                _calibrate_experts(block, data, prefix, min_expert_tokens, route_all_experts)
+            with moe.routing_all(block, route_all_experts):
+                for p in passes if i >= resumable else ():
+                    if data is not None:
+                        data.replay = {}  # a pass's stand-ins are only valid until another pass changes the block
+                    p.apply(block, data, prefix)
+                    if p.needs_data:
+                        p.without_data(block, prefix)
+            moe.mark_starved(block, {})
             if inputs is not None and i + 1 < len(model):
                 # the next block sees what the exported block produces: its weights rounded to the
                 # storage dtype (AWQ's folded scales, SparseGPT's updates are computed in float32)
@@ -425,6 +440,35 @@ def run_sequential(
                 on_block(i, block)
 
 
+def _calibrate_experts(block, data: BlockData, prefix: str, min_tokens: int, route_all: bool) -> None:
+    """Count the calibration tokens routed to each expert (one forward; summed over processes) and
+    print them; experts below ``min_tokens`` are marked starved (unless every expert sees every
+    token): data-based passes leave them to their data-free fallback (``LayerPass.without_data``)."""
+    counts = moe.count_routed(block, data.forward)
+    totals = {name: torch.tensor(c, dtype=torch.float64) for name, c in counts.items()}
+    distributed.sum_(*totals.values())
+    starved = {}
+    for name, t in totals.items():
+        c = [int(n) for n in t.tolist()]
+        low = [e for e, n in enumerate(c) if n < min_tokens]
+        shown = (
+            " ".join(map(str, c)) if len(c) <= 16 else f"min {min(c)}, median {sorted(c)[len(c) // 2]}, max {max(c)}"
+        )
+        if distributed.is_main():
+            tqdm.write(f"[compress] {prefix}{name}: calibration tokens per expert: {shown}")
+        if low and not route_all:
+            starved[name] = low
+            if distributed.is_main():
+                warnings.warn(
+                    f"{prefix}{name}: experts {', '.join(map(str, low))} received fewer than {min_tokens} "
+                    "calibration tokens; data-based passes round them to nearest (RTN) or prune them by "
+                    "magnitude instead; more calibration samples or calibration.route_all_experts: true "
+                    "calibrate them",
+                    stacklevel=2,
+                )
+    moe.mark_starved(block, starved)
+
+
 def run_passes(
     model,
     ids: torch.Tensor | None,
@@ -434,6 +478,8 @@ def run_passes(
     on_block: Callable[[int, torch.nn.Module], None] | None = None,
     store: Callable[[], list] = list,
     checkpoints: BlockCheckpoints | None = None,
+    min_expert_tokens: int = MIN_EXPERT_TOKENS,
+    route_all_experts: bool = False,
 ) -> torch.nn.Module | None:
     """The block sweep over the layer-passes, then the model passes (recovery training), which
     train the whole model (``model.load_all()`` first) against the original model from
@@ -453,6 +499,8 @@ def run_passes(
         keep=bool(model_passes),
         store=store,
         checkpoints=checkpoints,
+        min_expert_tokens=min_expert_tokens,
+        route_all_experts=route_all_experts,
     )
     if not model_passes:
         return None

@@ -31,6 +31,9 @@ class Calibration(_Strict):
     source: str = "wikitext2"
     samples: int = Field(128, gt=0)
     seqlen: int = Field(512, gt=1)
+    # mixture-of-experts models: an expert routed fewer tokens gets the data-free fallback
+    min_expert_tokens: int = Field(16, ge=0)
+    route_all_experts: bool = False  # every expert computes on every token for statistics
 
 
 class Evaluation(_Strict):

@@ -18,9 +18,10 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .. import moe
 from ..arch import arch_of, block_linears, decoder_layers
-from ..quant import QuantScheme, resolve_group_size
-from ..sparsity import Pattern, parse_pattern
+from ..quant import QuantScheme, attach, quantize_weight, resolve_group_size
+from ..sparsity import Pattern, apply_mask, parse_pattern, select_mask
 
 
 class RecipeError(ValueError):
@@ -56,6 +57,11 @@ class LayerPass:
 
     def apply(self, block: torch.nn.Module, data, prefix: str) -> None:
         raise NotImplementedError
+
+    def without_data(self, block: torch.nn.Module, prefix: str) -> None:
+        """What the pass does, after ``apply``, to the linears of experts calibrated on too few tokens
+        (which ``LinearPass.targets`` leaves out): by default nothing, they stay dense; quantizers
+        round them to nearest, pruners prune them by magnitude."""
 
     def summary(self) -> str:
         return self.name
@@ -179,11 +185,14 @@ class LinearPass(LayerPass):
     dtype: torch.dtype
     fp16_scales: bool = False  # set by a recipe that exports GGUF: ``QuantScheme.fp16_scales``
 
-    def targets(self, block: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Linear]:
+    def targets(self, block: torch.nn.Module, prefix: str, starved: bool = False) -> dict[str, torch.nn.Linear]:
+        """The block's linears this pass changes, minus ``ignore``. A pass that needs data leaves out the
+        experts calibrated on too few tokens (``moe.starved_linears``); ``starved`` asks for those instead."""
+        left_out = moe.starved_linears(block) if self.needs_data else set()
         return {
             name: lin
             for name, lin in block_linears(block, self.arch).items()
-            if not any(matches(prefix + name, p) for p in self.options.ignore)
+            if not any(matches(prefix + name, p) for p in self.options.ignore) and (name in left_out) == starved
         }
 
     def target_groups(self, targets: dict) -> list[tuple[str, ...]]:
@@ -222,6 +231,10 @@ class WeightQuantPass(LinearPass):
         super().check(model)
         self.scheme = replace(resolve_scheme(self.options, self.widths, self.where), fp16_scales=self.fp16_scales)
 
+    def without_data(self, block: torch.nn.Module, prefix: str) -> None:
+        for lin in self.targets(block, prefix, starved=True).values():
+            attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
+
     def summary(self) -> str:
         return f"{self.name} {self.scheme.describe()}"
 
@@ -244,8 +257,14 @@ class PrunePass(LinearPass):
     pattern: Pattern
     skipped: frozenset[str] = frozenset()
 
-    def targets(self, block: torch.nn.Module, prefix: str) -> dict[str, torch.nn.Linear]:
-        return {n: lin for n, lin in super().targets(block, prefix).items() if prefix + n not in self.skipped}
+    def targets(self, block: torch.nn.Module, prefix: str, starved: bool = False) -> dict[str, torch.nn.Linear]:
+        return {n: lin for n, lin in super().targets(block, prefix, starved).items() if prefix + n not in self.skipped}
+
+    def without_data(self, block: torch.nn.Module, prefix: str) -> None:
+        for lin in self.targets(block, prefix, starved=True).values():
+            apply_mask(lin, select_mask(lin.weight.data.float().abs(), self.pattern, per_row=False))
+            if getattr(self, "scheme", None) is not None:  # SparseGPT's joint rounding
+                attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
 
     def check(self, model: torch.nn.Module) -> None:
         super().check(model)
