@@ -146,7 +146,7 @@ def unfuse(model: nn.Module) -> int:
 
 def expert_path(module: nn.Module, name: str) -> str | None:
     """The expert (``mlp.experts.3``) that the linear ``name`` of ``module`` belongs to, if any."""
-    for path, m in experts_of(module).items():
+    for path in experts_of(module):
         if name.startswith(path + "."):
             return f"{path}.{name[len(path) + 1 :].partition('.')[0]}"
     return None
