@@ -193,9 +193,10 @@ def _infer_traced(model, layers: str, block, args, kwargs) -> Arch:
             "add its mapping to compress/arch.py"
         )
     covered = {id(p) for n in linears for p in block.get_submodule(n).parameters()}
-    left = {
-        n.rpartition(".")[0]: p.numel() for n, p in block.named_parameters() if p.dim() > 1 and id(p) not in covered
-    }
+    left: dict[str, int] = {}
+    for n, p in block.named_parameters():
+        if p.dim() > 1 and id(p) not in covered:
+            left[_parent(n)] = left.get(_parent(n), 0) + p.numel()
     if sum(left.values()) > 0.1 * sum(p.numel() for p in block.parameters()):
         warnings.warn(  # e.g. the fused 3-D expert weights of mixture-of-experts blocks
             f"model_type {model.config.model_type!r}: {', '.join(sorted(left))} hold "
