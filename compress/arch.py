@@ -131,7 +131,7 @@ def _traced_block(model: torch.nn.Module, layers: str):
             torch.randn(p.shape, generator=generator, dtype=p.dtype) * (0.3 if p.dim() == 1 else 0.1) + (p.dim() == 1)
         )
     args, kwargs = seen["call"]
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")}
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache", "use_cache")}
     return block, args, kwargs
 
 

@@ -184,7 +184,10 @@ def capture_inputs(
     def recorder(i):
         def on_call(hidden, args, kwargs):
             if calls[i] is None:
-                calls[i] = (args, {k: v for k, v in kwargs.items() if k not in ("past_key_values", "use_cache")})
+                calls[i] = (
+                    args,
+                    {k: v for k, v in kwargs.items() if k not in ("past_key_values", "cache", "use_cache")},
+                )
             if i == 0:
                 inputs.append(hidden)
                 if not state["all"]:

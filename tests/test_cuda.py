@@ -8,6 +8,7 @@ import torch
 
 from compress import kv_quant
 from compress.decode import PromptLookup, greedy, speculate
+from compress.decode.loop import with_cache
 from compress.kv_quant import KIVICache, KVScheme
 from compress.pipeline import run_sequential
 from compress.recipe import parse
@@ -41,7 +42,7 @@ def test_kivi_simulation_equals_cached_decoding_on_cuda():
         with kv_quant.simulating(model):
             simulated = model(ids, use_cache=False).logits
         cache = KIVICache(scheme, model.config.num_hidden_layers)
-        decoded = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(80)], 1)
+        decoded = torch.cat([model(ids[:, t : t + 1], **with_cache(model, cache)).logits for t in range(80)], 1)
     torch.testing.assert_close(simulated, decoded, atol=1e-4, rtol=0)
 
 

@@ -8,6 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from compress.decode import DraftModel, PromptLookup, Sampling, accept_sampled, greedy, speculate
+from compress.decode.loop import with_cache
 from tests.conftest import compress_with, tiny
 
 
@@ -47,14 +48,16 @@ def test_rollback_leaves_the_cache_as_if_the_rejected_tokens_were_never_seen():
     prompt, rejected = _prompt(), torch.tensor([[5, 6, 7]])
     clean, rolled = DynamicCache(config=model.config), DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prompt, past_key_values=clean)
-        model(prompt, past_key_values=rolled)
-        model(rejected, past_key_values=rolled)
+        model(prompt, **with_cache(model, clean))
+        model(prompt, **with_cache(model, rolled))
+        model(rejected, **with_cache(model, rolled))
         rolled.crop(-3)
         for a, b in zip(clean.layers, rolled.layers):
             assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
         nxt = torch.tensor([[9]])
-        assert torch.equal(model(nxt, past_key_values=clean).logits, model(nxt, past_key_values=rolled).logits)
+        assert torch.equal(
+            model(nxt, **with_cache(model, clean)).logits, model(nxt, **with_cache(model, rolled)).logits
+        )
 
 
 def test_prompt_lookup_sends_fewer_guesses_as_the_output_refutes_them_and_all_once_it_copies():
@@ -185,12 +188,12 @@ def test_lookahead_mask_and_positions_reproduce_plain_causal_logits():
     )
     with torch.no_grad():
         cache = DynamicCache(config=model.config)
-        model(prefix, past_key_values=cache)
+        model(prefix, **with_cache(model, cache))
         joint = model(
             torch.tensor([ids]),
             position_ids=(t + offsets)[None],
             attention_mask=mask[None, None],
-            past_key_values=cache,
+            **with_cache(model, cache),
         ).logits[0]
 
         def alone(sequence):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from compress import kv_quant, models
+from compress.decode.loop import with_cache
 from compress.kv_quant import KIVICache, KIVILayer, KVScheme, quantize_keys, quantize_values
 from compress.passes import RecipeError
 from compress.recipe import parse
@@ -74,7 +75,7 @@ def test_simulated_evaluation_equals_decoding_with_the_cache(model_type, scheme)
         with kv_quant.simulating(model):
             simulated = model(ids, use_cache=False).logits
         cache = KIVICache(scheme, model.config.num_hidden_layers)
-        decoded = torch.cat([model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(80)], 1)
+        decoded = torch.cat([model(ids[:, t : t + 1], **with_cache(model, cache)).logits for t in range(80)], 1)
         dense = model(ids).logits
     torch.testing.assert_close(simulated, decoded, atol=2e-6, rtol=0)
     assert (simulated - dense).abs().max() > 1e-3  # the cache is really quantized

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from .loop import DecodeError, DecodeResult, device_of, sync
+from .loop import DecodeError, DecodeResult, device_of, sync, with_cache
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 Measure = Literal["softmax", "saturation"]
@@ -99,7 +99,9 @@ def early_exit_greedy(
             return out, count if model.exited is None else model.exited + 1
     else:
         cache = cache if cache is not None else DynamicCache(config=model.config)
-        logits = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+        logits = (
+            model(input_ids=prompt, **with_cache(model, cache), use_cache=True, logits_to_keep=1).logits[0, -1].float()
+        )
 
         def step(token):
             return _transformers_step(model, cache, token, exits, threshold, measure)
@@ -129,7 +131,7 @@ def _transformers_step(model, cache, token: int, exits: set[int], threshold: flo
         kw = dict(
             attention_mask=None,
             position_ids=position,
-            past_key_values=cache,
+            **with_cache(layer, cache),
             use_cache=True,
             position_embeddings=rotary[i],
         )

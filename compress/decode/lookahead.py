@@ -28,7 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from . import kernels
-from .loop import DecodeError, DecodeResult, Sampling, device_of, emit, forward_logits, sync
+from .loop import DecodeError, DecodeResult, Sampling, device_of, emit, forward_logits, sync, with_cache
 
 
 class NgramPool:
@@ -97,7 +97,7 @@ class _TransformersTree:
             input_ids=torch.tensor([ids], device=self.device),
             position_ids=(t + offsets).unsqueeze(0).to(self.device),
             attention_mask=mask[None, None].to(self.device),
-            past_key_values=self.cache,
+            **with_cache(self.model, self.cache),
             use_cache=True,
         )
         return out.logits[0].float()

@@ -18,6 +18,7 @@ what the engine does not cover. A plain transformers model passed in is wrapped 
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import time
@@ -71,10 +72,23 @@ class DecodeResult:
         return len(self.tokens) / max(1, self.forwards - 1)
 
 
+def with_cache(module, cache) -> dict:
+    """The keyword that hands ``module`` its KV cache: ``cache`` from transformers 5.24 on (which
+    deprecates ``past_key_values``), ``past_key_values`` before."""
+    name = _CACHE_KWARG.get(type(module))
+    if name is None:
+        params = inspect.signature(module.forward).parameters
+        name = _CACHE_KWARG[type(module)] = "cache" if "cache" in params else "past_key_values"
+    return {name: cache}
+
+
+_CACHE_KWARG: dict[type, str] = {}
+
+
 def forward_logits(model, ids: list[int] | torch.Tensor, cache, all_logits: bool = True) -> torch.Tensor:
     """A transformers model's float32 logits for ``ids`` appended to ``cache``, one row per token."""
     ids = torch.as_tensor(ids, device=device_of(model)).reshape(1, -1)
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+    out = model(input_ids=ids, **with_cache(model, cache), use_cache=True, logits_to_keep=0 if all_logits else 1)
     return out.logits[0].float()
 
 
