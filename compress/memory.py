@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from . import moe
+
 GB = 1e9
 # Python, torch, transformers and a tokenizer: 0.38 GB after import and tokenizer load, plus headroom
 RUNTIME = int(0.6 * GB)
@@ -97,8 +99,10 @@ def plan(
     (plan.disk if spill else plan.compress)["calibration activations"] = 3 * samples * cal_seqlen * hidden * f32
     if any(getattr(p, "uses_hessian", False) for p in passes):
         widest = max(m.in_features for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
-        # H and its factors in float64 (hessian.statistics_dtype), the sweep's working copy
-        plan.compress["Hessians"] = (2 * 8 + f32) * widest * widest
+        # H and its factors in float64 (hessian.statistics_dtype), the sweep's working copy; a
+        # mixture of experts observes one projection of every expert at once: E statistics
+        held = max((m.num_experts for m in moe.experts_of(model.layers[0]).values()), default=1)
+        plan.compress["Hessians"] = (held * 8 + 8 + f32) * widest * widest
     if windows:
         plan.evaluate["one block"] = n_block * (stored + f32)
         plan.evaluate["evaluation hidden states"] = 2 * windows * eval_seqlen * hidden * f32  # model and reference
