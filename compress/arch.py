@@ -186,7 +186,13 @@ def infer(model: torch.nn.Module) -> Arch:
 
 def _infer_traced(model, layers: str, block, args, kwargs) -> Arch:
     calls, reference = _run_traced(block, args, kwargs)
-    linears = [n for n in calls if isinstance(block.get_submodule(n), torch.nn.Linear)]
+    # a linear with one output is a gate (Qwen2-MoE's shared_expert_gate: one scalar per token), not a
+    # projection to compress: it stays dense, as routers do
+    linears = [
+        n
+        for n in calls
+        if isinstance(block.get_submodule(n), torch.nn.Linear) and block.get_submodule(n).out_features > 1
+    ]
     if not linears:
         raise UnknownArchitecture(
             f"model_type {model.config.model_type!r}: its decoder block calls no torch.nn.Linear; "

@@ -422,10 +422,9 @@ class Export:
             owner, _, leaf = key.rpartition(".")
             if skip is not None and key.startswith(f"{prefix}{skip}."):
                 continue
-            if owner in quantized:
-                if leaf == "weight":
-                    for k, t in self._tensors_of(module, owner, *quantized[owner]).items():
-                        self.shards.add(moe.renamed(k, renames), t)
+            if owner in quantized and leaf == "weight":  # a quantized linear's bias is written as it is
+                for k, t in self._tensors_of(module, owner, *quantized[owner]).items():
+                    self.shards.add(moe.renamed(k, renames), t)
                 continue
             if tensor.data_ptr() in seen:  # tied lm_head / embeddings
                 continue

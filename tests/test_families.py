@@ -36,8 +36,10 @@ FAMILIES = {  # multi-head attention (kv heads = heads), so that v -> o folds wh
         "pad_token_id": 0,
         "eos_token_id": 2,
     },
+    # and a shared expert beside them, with a one-output gate
+    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
 }
-MOE = ("qwen3_moe", "mixtral", "olmoe")
+MOE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 METHODS = {
     "rtn": "  - rtn: {bits: 4, group_size: 32}\n",
     "gptq": "  - gptq: {bits: 4, group_size: 32}\n",
@@ -61,9 +63,11 @@ def family(model_type: str):
     kw.update(FAMILIES[model_type])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **kw)).eval()
-    for name, p in model.named_parameters():  # norms away from their initial value: folding mistakes show
+    for name, p in model.named_parameters():  # norms and biases away from their initial value: mistakes show
         if "norm" in name:
             p.data.normal_(0.5 if model_type.startswith("gemma") else 1.0, 0.3)
+        elif name.endswith(".bias"):  # Qwen2's q/k/v
+            p.data.normal_(0.0, 0.3)
     return model
 
 
@@ -88,6 +92,10 @@ def test_what_inference_finds_on_families_the_table_does_not_name():
         ("mlp.up_proj", ("mlp.down_proj",)),
     ]
     assert infer(family("granite")).scalings == infer(family("llama")).scalings
+    qwen2_moe = arch_of(family("qwen2_moe"))  # the shared expert is an MLP like any; its one-output gate stays dense
+    assert ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj") in qwen2_moe.groups
+    assert not any("shared_expert_gate" in n for g in qwen2_moe.groups for n in g)
+    assert ("mlp.experts.3.gate_proj", "mlp.experts.3.up_proj") in qwen2_moe.groups
 
 
 @pytest.mark.parametrize("method", METHODS)
