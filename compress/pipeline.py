@@ -419,12 +419,13 @@ def run_sequential(
             prefix = f"{model.prefix}{i}."
             if inputs is not None and i >= resumable and moe.experts_of(block):
                 _calibrate_experts(block, data, prefix, min_expert_tokens, route_all_experts)
+            starved = bool(moe.starved_linears(block))
             with moe.routing_all(block, route_all_experts):
                 for p in passes if i >= resumable else ():
                     if data is not None:
                         data.replay = {}  # a pass's stand-ins are only valid until another pass changes the block
                     p.apply(block, data, prefix)
-                    if p.needs_data:
+                    if starved and p.needs_data and hasattr(p, "without_data"):
                         p.without_data(block, prefix)
             moe.mark_starved(block, {})
             if inputs is not None and i + 1 < len(model):

@@ -232,3 +232,38 @@ def test_a_hub_moe_checkpoint_is_read_block_by_block_and_decodes_as_transformers
     prompt = probe[0, :6]
     theirs = model.generate(prompt[None], max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 6:].tolist()
     assert greedy(ours, prompt, 8).tokens == theirs
+
+
+def test_apply_on_a_moe_checkpoint_prints_expert_tokens_warns_and_exports(tmp_path):
+    """End to end on the command line: scripts/tiny_moe.py's model (an expert the router never
+    picks), `compress apply` with GPTQ, then `compress eval` on the export."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    make = [sys.executable, str(root / "scripts" / "tiny_moe.py"), str(tmp_path / "moe"), "--experts", "5"]
+    assert subprocess.run([*make, "--idle-expert"], capture_output=True, text=True).returncode == 0
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "passes:\n  - gptq: {bits: 4, group_size: 64}\ncalibration: {samples: 4, seqlen: 128}\n"
+        "evaluation: {seqlen: 128, windows: 2}\n"
+    )
+    cli = [sys.executable, "-m", "compress.cli"]
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [*cli, "apply", str(recipe), "--model", str(tmp_path / "moe"), "--output", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert re.search(r"model.layers.1.mlp.experts: calibration tokens per expert: \d+ \d+ \d+ \d+ 0\n", done.stdout)
+    assert "model.layers.0.mlp.experts: experts 4 received fewer than 16 calibration tokens" in done.stderr
+    report = json.loads((out / "report.json").read_text())
+    evaluated = subprocess.run(
+        [*cli, "eval", str(out), "--windows", "2", "--seqlen", "128"], capture_output=True, text=True
+    )
+    assert evaluated.returncode == 0, evaluated.stderr[-2000:]
+    ppl = float(evaluated.stdout.split("perplexity: ")[1].split()[0])
+    assert abs(ppl - report["eval"]["ppl"]) < 1e-3 * ppl  # the reloaded export scores what apply measured
