@@ -37,7 +37,12 @@ FAMILIES = {  # multi-head attention (kv heads = heads), so that v -> o folds wh
         "eos_token_id": 2,
     },
     # and a shared expert beside them, with a one-output gate
-    "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    },
 }
 MOE = ("qwen3_moe", "mixtral", "olmoe", "qwen2_moe")
 METHODS = {
