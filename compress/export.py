@@ -418,6 +418,8 @@ class Export:
                 self.loras[name] = tuple(t.detach().cpu().contiguous() for t in m.lora)
         seen = set()
         renames = moe.checkpoint_renames(module, prefix)  # tensors named as the family's checkpoints name them
+        for router in moe.routers(module, prefix):  # dense, and listed so that vLLM leaves it so
+            self.linears[moe.renamed(router, renames)] = None
         for key, tensor in module.state_dict(prefix=prefix).items():
             owner, _, leaf = key.rpartition(".")
             if skip is not None and key.startswith(f"{prefix}{skip}."):

@@ -187,6 +187,23 @@ def checkpoint_renames(module: nn.Module, prefix: str = "") -> dict[str, str]:
     return renames
 
 
+def routers(module: nn.Module, prefix: str = "") -> list[str]:
+    """The routers beside ``module``'s experts: modules with a 2-D ``weight`` that are not linears
+    in transformers 5 but are in vLLM, whose ``Linear`` target would otherwise quantize them."""
+    found = []
+    for name in experts_of(module):
+        sparse_block = name.rpartition(".")[0]
+        for child_name, child in module.get_submodule(sparse_block).named_children():
+            weight = getattr(child, "weight", None)
+            if (
+                not isinstance(child, (nn.Linear, LinearExperts))
+                and isinstance(weight, nn.Parameter)
+                and weight.dim() == 2
+            ):
+                found.append(f"{prefix}{sparse_block}.{child_name}")
+    return found
+
+
 def renamed(key: str, renames: dict[str, str]) -> str:
     for ours, theirs in renames.items():
         if (key + ".").startswith(ours):

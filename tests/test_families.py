@@ -3,6 +3,7 @@ are inferred from one traced forward (``arch.infer``), every method runs on them
 reloads in plain transformers to our logits, and our greedy decoding equals transformers'."""
 
 import copy
+import json
 import re
 import warnings
 
@@ -118,6 +119,10 @@ def test_every_method_exports_what_transformers_reloads_to_our_logits(model_type
     probe = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(reloaded(probe).logits, model(probe).logits, rtol=1e-4, atol=1e-4)
+    if model_type in MOE and method == "rtn":  # routers stay dense, listed under the checkpoint's names
+        ignore = json.loads((tmp_path / "x" / "config.json").read_text())["quantization_config"]["ignore"]
+        sparse_block = "block_sparse_moe" if model_type == "mixtral" else "mlp"
+        assert f"model.layers.1.{sparse_block}.gate" in ignore
 
 
 @pytest.mark.parametrize("model_type", FAMILIES)
@@ -242,7 +247,6 @@ def test_a_hub_moe_checkpoint_is_read_block_by_block_and_decodes_as_transformers
 def test_apply_on_a_moe_checkpoint_prints_expert_tokens_warns_and_exports(tmp_path):
     """End to end on the command line: scripts/tiny_moe.py's model (an expert the router never
     picks), `compress apply` with GPTQ, then `compress eval` on the export."""
-    import json
     import subprocess
     import sys
     from pathlib import Path
