@@ -14,7 +14,8 @@ Two ways to run it, which see the same numbers:
   codes, scales and minima, and hands attention the dequantized prefix plus the window.
 - ``simulating(model)``, for perplexity over whole windows: an attention function in which
   query ``i`` reads key ``j`` quantized exactly when a decoder would hold it quantized at
-  step ``i`` — ``j < residual·⌊i/residual⌋`` (``j < i`` without a window).
+  step ``i`` — ``j < residual·⌊i/residual⌋`` (``j < i`` without a window), the first ``sinks``
+  tokens never (counting starts after them).
 """
 
 from __future__ import annotations
@@ -34,16 +35,23 @@ class KVScheme:
     bits: int = 4
     group_size: int = 32  # keys: tokens sharing a per-channel scale; values: channels sharing a per-token scale
     residual: int = 128  # recent tokens kept in full precision; a multiple of group_size, or 0
+    sinks: int = 0  # the first tokens, kept in full precision for good (attention sinks)
 
     def __post_init__(self):
         if self.bits not in (2, 4, 8):
             raise ValueError(f"KV-cache bits must be 2, 4 or 8, got {self.bits}")
         if self.group_size <= 0 or self.residual < 0 or self.residual % self.group_size:
             raise ValueError(f"residual ({self.residual}) must be 0 or a multiple of group_size ({self.group_size})")
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be 0 or more, got {self.sinks}")
 
-    def quantized_before(self, step: int) -> int:
-        """How many of the tokens before ``step`` a decoder holds quantized when it attends at ``step``."""
-        return step if self.residual == 0 else self.residual * (step // self.residual)
+    def quantized_upto(self, tokens: int) -> int:
+        """Of ``tokens`` cached tokens, a decoder holds ``sinks .. quantized_upto(tokens)`` quantized:
+        after the sinks, whole multiples of ``residual`` (every token without a window)."""
+        if tokens <= self.sinks:
+            return tokens
+        after = tokens - self.sinks
+        return self.sinks + (after if self.residual == 0 else self.residual * (after // self.residual))
 
     def bytes_per_token(self, layers: int, kv_heads: int, head_dim: int, float_bytes: int = 2) -> float:
         """Quantized K and V of one token, scales and minima (``float_bytes`` each) included."""
@@ -55,7 +63,7 @@ class KVScheme:
 
     def describe(self) -> str:
         window = f"residual {self.residual}" if self.residual else "no residual"
-        return f"KV INT{self.bits} g{self.group_size} {window}"
+        return f"KV INT{self.bits} g{self.group_size} {window}" + (f" sinks {self.sinks}" if self.sinks else "")
 
 
 def dense_bytes_per_token(layers: int, kv_heads: int, head_dim: int, float_bytes: int = 2) -> int:
@@ -95,27 +103,35 @@ def round_trip(k: torch.Tensor, v: torch.Tensor, s: KVScheme) -> tuple[torch.Ten
 
 
 class KIVILayer(DynamicLayer):
-    """One layer's cache: quantized chunks (codes, scales, minima) and a full-precision window
-    (``self.keys`` / ``self.values``, as in ``DynamicLayer``)."""
+    """One layer's cache: full-precision sinks (the first tokens), quantized chunks (codes, scales,
+    minima) and a full-precision window (``self.keys`` / ``self.values``, as in ``DynamicLayer``)."""
 
     def __init__(self, scheme: KVScheme):
         super().__init__()
         self.scheme = scheme
         self.chunks: list[tuple[tuple, tuple, torch.Size]] = []  # (key codes, value codes, chunk shape)
         self.quantized_tokens = 0
+        self.sink_keys = self.sink_values = None
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+            self.sink_keys, self.sink_values = key_states[..., :0, :], value_states[..., :0, :]
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         keys, values = self._dequantized()
-        keys, values = torch.cat([keys, self.keys], dim=-2), torch.cat([values, self.values], dim=-2)
-        self._flush()  # after attention has read this step's own keys: as quantized_before() says
+        keys = torch.cat([self.sink_keys, keys, self.keys], dim=-2)
+        values = torch.cat([self.sink_values, values, self.values], dim=-2)
+        self._flush()  # after attention has read this step's own keys: as quantized_upto() says
         return keys, values
 
     def _flush(self) -> None:
         s = self.scheme
+        if (missing := s.sinks - self.sink_keys.shape[-2]) > 0:  # the first tokens become the sinks
+            take = min(missing, self.keys.shape[-2])
+            self.sink_keys = torch.cat([self.sink_keys, self.keys[..., :take, :]], dim=-2)
+            self.sink_values = torch.cat([self.sink_values, self.values[..., :take, :]], dim=-2)
+            self.keys, self.values = self.keys[..., take:, :], self.values[..., take:, :]
         n = self.keys.shape[-2] if s.residual == 0 else s.residual * (self.keys.shape[-2] // s.residual)
         if n == 0:
             return
@@ -133,7 +149,9 @@ class KIVILayer(DynamicLayer):
         return torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
 
     def get_seq_length(self) -> int:
-        return self.quantized_tokens + (self.keys.shape[-2] if self.is_initialized else 0)
+        if not self.is_initialized:
+            return 0
+        return self.sink_keys.shape[-2] + self.quantized_tokens + self.keys.shape[-2]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove tokens from the end; only the full-precision window can be rolled back."""
@@ -161,13 +179,14 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling, dro
 
     s: KVScheme = module.kv_scheme
     n, q_len = key.shape[-2], query.shape[-2]
-    chunked = n if s.residual == 0 else s.residual * (n // s.residual)
+    a, b = min(s.sinks, n), s.quantized_upto(n)  # the chunks a decoder ends up holding quantized
     kq, vq = key.clone(), value.clone()
-    if chunked:
-        kq[..., :chunked, :], vq[..., :chunked, :] = round_trip(key[..., :chunked, :], value[..., :chunked, :], s)
-    steps = torch.arange(n - q_len, n, device=query.device)
-    bound = steps if s.residual == 0 else s.residual * torch.div(steps, s.residual, rounding_mode="floor")
-    quantized = torch.arange(n, device=query.device)[None, :] < bound[:, None]  # (queries, keys)
+    if b > a:
+        kq[..., a:b, :], vq[..., a:b, :] = round_trip(key[..., a:b, :], value[..., a:b, :], s)
+    after = (torch.arange(n - q_len, n, device=query.device) - s.sinks).clamp(min=0)  # query i attends at step i
+    bound = s.sinks + (after if s.residual == 0 else s.residual * torch.div(after, s.residual, rounding_mode="floor"))
+    position = torch.arange(n, device=query.device)[None, :]
+    quantized = (position >= s.sinks) & (position < bound[:, None])  # (queries, keys)
     groups = module.num_key_value_groups
     full = torch.matmul(query, repeat_kv(key, groups).transpose(2, 3))
     approx = torch.matmul(query, repeat_kv(kq, groups).transpose(2, 3))

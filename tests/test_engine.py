@@ -189,17 +189,19 @@ def test_kernel_timings_are_kept_per_machine(tmp_path, monkeypatch):
     assert again.formats == first.formats and again.timings == first.timings
 
 
-def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding():
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding(sinks):
     from compress import kv_quant
 
     model = tiny("llama", layers=2)
-    kv_quant.install(model, kv_quant.KVScheme(bits=2, group_size=4, residual=8))  # 2 bits: the cache matters
+    kv_quant.install(model, kv_quant.KVScheme(bits=2, group_size=4, residual=8, sinks=sinks))  # 2 bits: it matters
     prompt = _prompt(21)
     kivi = greedy(model, prompt, 40, cache=kv_quant.new_cache(model)).tokens
     assert kivi != greedy(Engine(tiny("llama", layers=2), kernel="fp32"), prompt, 40).tokens  # it changes tokens
     engine = Engine(model, kernel="fp32")
     assert greedy(engine, prompt, 40).tokens == kivi
-    assert engine.quantized_upto == 56  # 21 + 40 tokens, flushed in whole windows of 8
+    # 21 + 40 tokens: after the sinks, flushed in whole windows of 8
+    assert engine.quantized_upto == sinks + 8 * ((60 - sinks) // 8)
     with pytest.raises(DecodeError, match="KIVI"):
         engine.crop(10)
 

@@ -35,20 +35,22 @@ def test_keys_are_grouped_per_channel_and_values_per_token():
     assert v_scale.shape == (2, 3, 64, 32 // 16, 1)  # per token, per 16 channels
 
 
-def test_residual_window_stays_full_precision():
-    s = KVScheme(2, 8, 16)
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_residual_window_and_sinks_stay_full_precision(sinks):
+    s = KVScheme(2, 8, 16, sinks)
     layer = KIVILayer(s)
     k, v = KV[:, :, :40, :16], KV[:, :, :40, 16:]
-    layer.update(k[:, :, :21], v[:, :, :21])  # a prefill of 21: 16 quantized, 5 in the window
+    layer.update(k[:, :, :21], v[:, :, :21])  # a prefill of 21: 16 quantized (after the sinks), the rest in the window
     for t in range(21, 40):
         keys, values = layer.update(k[:, :, t : t + 1], v[:, :, t : t + 1])
-        held = s.quantized_before(t + 1)  # after this step
+        held = s.quantized_upto(t + 1)  # after this step
         window = t + 1 - held
         assert torch.equal(layer.keys, k[:, :, held : t + 1]) and layer.keys.shape[-2] == window
-        start = s.quantized_before(t)  # what this step's attention read in full precision
+        start = s.quantized_upto(t)  # what this step's attention read in full precision
         assert torch.equal(keys[:, :, start:], k[:, :, start : t + 1])
         assert torch.equal(values[:, :, start:], v[:, :, start : t + 1])
-        assert not torch.equal(keys[:, :, :start], k[:, :, :start])
+        assert torch.equal(keys[:, :, :sinks], k[:, :, :sinks])  # the sinks, as they came
+        assert not torch.equal(keys[:, :, sinks:start], k[:, :, sinks:start])
     assert layer.get_seq_length() == 40
 
 
@@ -64,7 +66,10 @@ def test_bytes_per_token_counts_codes_scales_and_minima():
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
-@pytest.mark.parametrize("scheme", [KVScheme(2, 16, 32), KVScheme(2, 16, 0), KVScheme(4, 16, 16)])
+@pytest.mark.parametrize(
+    "scheme",
+    [KVScheme(2, 16, 32), KVScheme(2, 16, 0), KVScheme(4, 16, 16), KVScheme(2, 16, 32, 4), KVScheme(2, 16, 0, 4)],
+)
 def test_simulated_evaluation_equals_decoding_with_the_cache(model_type, scheme):
     """One full-window forward under ``simulating`` gives the logits that token-by-token
     decoding with ``KIVICache`` gives (Gemma-3: sliding and global layers)."""
@@ -89,7 +94,13 @@ def test_scheme_is_exported_and_reinstalled(tmp_path):
     recipe = compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n  - kv_cache: {bits: 2, group_size: 16}\n")
     out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
     reloaded = models.load_model(out, torch.float32)
-    assert reloaded.config.compress_kv_cache == {"method": "kivi", "bits": 2, "group_size": 16, "residual": 128}
+    assert reloaded.config.compress_kv_cache == {
+        "method": "kivi",
+        "bits": 2,
+        "group_size": 16,
+        "residual": 128,
+        "sinks": 0,
+    }
     assert kv_quant.scheme_of(reloaded) == KVScheme(2, 16, 128)
     assert isinstance(kv_quant.new_cache(reloaded), KIVICache)
 

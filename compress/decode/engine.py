@@ -295,18 +295,20 @@ class Engine:
 
     def _flush_kv(self) -> None:
         """KIVI: quantize the window's oldest whole multiple of ``residual`` tokens (all of it
-        without a window) and keep their dequantized values, as ``KIVICache`` does after each step."""
-        s, window = self.kv_scheme, self.length - self.quantized_upto
-        n = window if s.residual == 0 else s.residual * (window // s.residual)
-        if n == 0:
+        without a window) and keep their dequantized values, as ``KIVICache`` does after each step;
+        the first ``sinks`` tokens stay as they are."""
+        s = self.kv_scheme
+        start = max(self.quantized_upto, min(s.sinks, self.length))
+        n = s.quantized_upto(self.length) - start
+        if n <= 0:
             return
-        done = slice(self.quantized_upto, self.quantized_upto + n)
+        done = slice(start, start + n)
         for k_cache, v_cache in zip(self.k_cache, self.v_cache):
             # in the stream's dtype, as ``KIVICache`` quantizes (the cache may be wider: values stay exact)
             k_cache[:, :, done], v_cache[:, :, done] = kv_quant.round_trip(
                 k_cache[:, :, done].to(self.dtype), v_cache[:, :, done].to(self.dtype), s
             )
-        self.quantized_upto += n
+        self.quantized_upto = start + n
 
     def subset(self, keep: list[int]) -> Engine:
         """The same weights with only the layers ``keep`` run, and a cache of its own: a draft."""

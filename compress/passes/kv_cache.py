@@ -20,6 +20,7 @@ class KVCacheOptions(PassOptions):
     bits: Literal[2, 4, 8] = 4
     group_size: int = Field(32, gt=0)
     residual: int = Field(128, ge=0)  # recent tokens in full precision: 0, or a multiple of group_size
+    sinks: int = Field(0, ge=0)  # the first tokens in full precision for good (attention sinks)
 
 
 class KVCachePass(LayerPass):
@@ -31,7 +32,7 @@ class KVCachePass(LayerPass):
     def __init__(self, options, where):
         super().__init__(options, where)
         try:
-            self.scheme = KVScheme(options.bits, options.group_size, options.residual)
+            self.scheme = KVScheme(options.bits, options.group_size, options.residual, options.sinks)
         except ValueError as e:
             raise RecipeError(f"{where}: {e}") from None
 
