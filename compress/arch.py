@@ -211,15 +211,10 @@ def _infer_traced(model, layers: str, block, args, kwargs) -> Arch:
             stacklevel=3,
         )
     groups: list[list[str]] = []
-    for name in linears:  # experts read the tokens routed to each: never one statistic for two experts
+    expert = {n: moe.expert_path(block, n) for n in linears}  # experts read their own tokens: never one statistic
+    for name in linears:
         match = next(
-            (
-                g
-                for g in groups
-                if _same(calls[g[0]][0], calls[name][0])
-                and moe.expert_path(block, g[0]) == moe.expert_path(block, name)
-            ),
-            None,
+            (g for g in groups if expert[g[0]] == expert[name] and _same(calls[g[0]][0], calls[name][0])), None
         )
         (match.append(name) if match else groups.append([name]))
     candidates = []
