@@ -80,5 +80,10 @@ def apply_mask(linear: torch.nn.Linear, mask: torch.Tensor) -> None:
     linear.prune_mask = mask if previous is None else previous | mask
 
 
+def prune_by_magnitude(linear: torch.nn.Linear, pattern: Pattern) -> None:
+    """Drop the weights of smallest |w| (over the layer, or within each group for N:M): the data-free baseline."""
+    apply_mask(linear, select_mask(linear.weight.data.float().abs(), pattern, per_row=False))
+
+
 def prune_mask_of(linear: torch.nn.Module) -> torch.Tensor | None:
     return getattr(linear, "prune_mask", None)

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from .. import moe
 from ..arch import arch_of, block_linears, decoder_layers
 from ..quant import QuantScheme, attach, quantize_weight, resolve_group_size
-from ..sparsity import Pattern, apply_mask, parse_pattern, select_mask
+from ..sparsity import Pattern, parse_pattern, prune_by_magnitude
 
 
 class RecipeError(ValueError):
@@ -262,7 +262,7 @@ class PrunePass(LinearPass):
 
     def without_data(self, block: torch.nn.Module, prefix: str) -> None:
         for lin in self.targets(block, prefix, starved=True).values():
-            apply_mask(lin, select_mask(lin.weight.data.float().abs(), self.pattern, per_row=False))
+            prune_by_magnitude(lin, self.pattern)
             if getattr(self, "scheme", None) is not None:  # SparseGPT's joint rounding
                 attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
 

@@ -6,7 +6,7 @@ is over the whole layer for unstructured sparsity, within each group for N:M).
 
 from __future__ import annotations
 
-from ..sparsity import apply_mask, select_mask
+from ..sparsity import prune_by_magnitude
 from .base import PrunePass
 
 
@@ -16,4 +16,4 @@ class Magnitude(PrunePass):
 
     def apply(self, block, data, prefix: str) -> None:
         for lin in self.targets(block, prefix).values():
-            apply_mask(lin, select_mask(lin.weight.data.float().abs(), self.pattern, per_row=False))
+            prune_by_magnitude(lin, self.pattern)

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 from ..column_sweep import hessian_stages, obs_sweep, usable
 from ..quant import attach
-from ..sparsity import apply_mask, prune_mask_of, select_mask
+from ..sparsity import apply_mask, prune_by_magnitude, prune_mask_of
 from .base import PruneOptions, PrunePass, QuantSpec, RecipeError, resolve_scheme
 
 
@@ -56,7 +56,7 @@ class SparseGPT(PrunePass):
                 warnings.warn(
                     f"{prefix}{name}: no usable calibration input; falling back to magnitude pruning", stacklevel=2
                 )
-                apply_mask(lin, select_mask(lin.weight.data.float().abs(), self.pattern, per_row=False))
+                prune_by_magnitude(lin, self.pattern)
                 continue
             result = obs_sweep(
                 lin.weight.data,
