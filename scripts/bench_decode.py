@@ -20,13 +20,13 @@ own precision; our bf16 engine is token-identical to it, so lossless rows on it 
 outputs identical to our greedy on the same engine (eager rows: ours eager; compiled rows: ours
 compiled: what lossless speculation must reproduce); the
 seconds of the first compiled step (compiling, or "loaded" when an earlier run left the
-compiled package on disk);
-weight bytes read per
-token; and that traffic as a share of the machine's measured read bandwidth (printed in the
-header). On a GPU everything runs in bf16, the reference is transformers' eager bf16 greedy,
-our greedy runs eager and on CUDA graphs, and "= ours greedy" compares with the graph greedy
-that speculation must reproduce. A row that fails prints why and is dropped; the others go on.
-Every method runs on a prompt before the next prompt starts, so a machine whose speed
+compiled package on disk); weight bytes read per token; that traffic as a share of the
+machine's measured read bandwidth (printed in the header); and for our rows the same for the
+steps alone, the prompt's forward timed apart (a prompt is bound by arithmetic, a step by its
+weight reads: the roofline is the steps'). On a GPU everything runs in bf16, the reference is
+transformers' eager bf16 greedy, our greedy runs eager and on CUDA graphs, and "= ours greedy"
+compares with the graph greedy that speculation must reproduce. A row that fails prints why
+and is dropped; the others go on. Every method runs on a prompt before the next prompt starts, so a machine whose speed
 drifts during the run (this project's shared CPUs do, by up to 2× between runs) slows all
 methods alike; rows are printed at the end of each set, a progress line after each prompt.
 """
@@ -120,11 +120,11 @@ def read_bandwidth(device: torch.device, megabytes: int = 512) -> float:
 def run_hf(model, prompt, new_tokens, **kwargs):
     start = time.perf_counter()
     out = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False, **kwargs)
-    return out[0, prompt.shape[1] :].tolist(), time.perf_counter() - start, None
+    return out[0, prompt.shape[1] :].tolist(), time.perf_counter() - start, None, 0.0
 
 
 def ours(result):
-    return result.tokens, result.seconds, result.forwards - 1
+    return result.tokens, result.seconds, result.forwards - 1, result.prompt_seconds
 
 
 def main() -> None:
@@ -171,7 +171,8 @@ def main() -> None:
     def wanted(name: str) -> bool:
         return (not args.only or any(w in name for w in args.only)) and not any(w in name for w in args.skip)
 
-    # Each row: name -> (setup() returning (run(prompt) -> (tokens, seconds, forwards)), bytes, compile s)).
+    # Each row: name -> setup() returning (run, bytes, compile s), where
+    # run(prompt) -> (tokens, seconds, forwards, prompt seconds).
     # Setups run lazily, so a skipped row costs nothing and a row's build time is not its speed.
     rows = {}
 
@@ -291,6 +292,8 @@ def main() -> None:
         "compile s",
         "weights MB/token",
         "of read bandwidth",
+        "ms/step after the prompt",
+        "steps: of read bandwidth",
     ]
     built = {}
     for name, setup in rows.items():
@@ -305,10 +308,11 @@ def main() -> None:
     for set_name, ps in sets_.items():
         outputs = {name: [] for name in built}
         seconds, forwards = dict.fromkeys(built, 0.0), dict.fromkeys(built, 0)
+        prompt_seconds = dict.fromkeys(built, 0.0)
         for i, p in enumerate([ps[0][:, :32]] + ps):  # a warm-up, then every method on one prompt before the
             for name, (run, _, _) in list(built.items()):  # next: a drifting machine hits all alike
                 try:
-                    out, s, f = run(p)
+                    out, s, f, prompt_s = run(p)
                 except Exception as e:  # noqa: BLE001
                     print(f"  [{name}: failed: {why(e)}]", file=sys.stderr)
                     del built[name]
@@ -318,6 +322,7 @@ def main() -> None:
                 outputs[name].append(out)
                 seconds[name] += s
                 forwards[name] += f or 0
+                prompt_seconds[name] += prompt_s
             print(f"{set_name}: prompt {i}/{len(ps)} done", file=sys.stderr, flush=True)
         reference_rate = sum(map(len, outputs[reference_name])) / seconds[reference_name]
         reference = outputs.get("transformers eager greedy, bf16")
@@ -331,6 +336,13 @@ def main() -> None:
                 for ref in (reference, ours_greedy)
             )  # empty where --only left the row out
             traffic = f"{bytes_per_token * rate / 1e9 / bandwidth:.0%}" if bandwidth and bytes_per_token else ""
+            # the steps alone (ours: the prompt's forward timed apart), where the weight reads are the wall
+            step_ms = (seconds[name] - prompt_seconds[name]) / forwards[name] * 1e3 if prompt_seconds[name] else None
+            step_traffic = (
+                f"{bytes_per_token / step_ms / 1e6 / bandwidth:.0%}"
+                if step_ms and bandwidth and bytes_per_token
+                else ""
+            )
             print(
                 "| "
                 + " | ".join(
@@ -345,6 +357,8 @@ def main() -> None:
                         f"{compile_s:.0f}" if isinstance(compile_s, float) else compile_s or "",
                         f"{bytes_per_token / 1e6:.0f}" if bytes_per_token else "",
                         traffic,
+                        f"{step_ms:.2f}" if step_ms else "",
+                        step_traffic,
                     ]
                 )
                 + " |",
@@ -396,7 +410,7 @@ def llama_cpp_row(alias: str, n: int):
             if not line:
                 raise RuntimeError(f"the llama.cpp process ended (exit status {worker.wait()})")
             out, seconds = json.loads(line)
-            return out, seconds, None
+            return out, seconds, None, 0.0
 
         return run, Path(path).stat().st_size, None
 

@@ -65,6 +65,7 @@ class DecodeResult:
     proposed: int = 0
     accepted: int = 0
     extra: dict = field(default_factory=dict)
+    prompt_seconds: float = 0.0  # of ``seconds``, the prompt's forward (0: not measured apart)
 
     @property
     def tokens_per_forward(self) -> float:
@@ -127,6 +128,7 @@ def greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos: set[int] = fro
     """One token per forward, with the KV cache: the baseline every method is measured against."""
     runner, start = runner_for(model, cache), time.perf_counter()
     logits = runner.forward(prompt, all_logits=False)[-1]
+    prompt_seconds = prompt_time(runner.device, start)
     tokens, forwards = [], 1
     while True:
         token = int(logits.argmax())
@@ -136,12 +138,19 @@ def greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos: set[int] = fro
         logits = runner.forward([token])[-1]
         forwards += 1
     sync(runner.device)
-    return DecodeResult(tokens, forwards, time.perf_counter() - start)
+    return DecodeResult(tokens, forwards, time.perf_counter() - start, prompt_seconds=prompt_seconds)
 
 
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def prompt_time(device: torch.device, start: float) -> float:
+    """Seconds since ``start`` once the prompt's forward is done: what steps after it are timed apart
+    from (a prompt's forward is bound by arithmetic, a step's by weight reads)."""
+    sync(device)
+    return time.perf_counter() - start
 
 
 def accept_greedy(candidates: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
@@ -185,6 +194,7 @@ def speculate(
     generator = torch.Generator().manual_seed(sampling.seed)
     context = prompt.reshape(-1).tolist()
     logits = runner.forward(prompt, all_logits=False)[-1:]
+    prompt_seconds = prompt_time(runner.device, start)
     if sampling.greedy:
         next_token = int(logits[-1].argmax())
     else:
@@ -204,7 +214,8 @@ def speculate(
             break
         runner.crop(len(candidates) - n)  # forget the rejected candidates
     sync(runner.device)
-    return DecodeResult(tokens[:max_new_tokens], forwards, time.perf_counter() - start, proposed, accepted)
+    seconds = time.perf_counter() - start
+    return DecodeResult(tokens[:max_new_tokens], forwards, seconds, proposed, accepted, prompt_seconds=prompt_seconds)
 
 
 def emit(tokens: list[int], context: list[int], new: list[int], eos: set[int], max_new_tokens: int) -> bool:
