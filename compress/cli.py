@@ -102,7 +102,7 @@ def _export(args) -> None:
 
 
 def _eval(args) -> None:
-    from . import export, models
+    from . import bnb, export, models
     from .evaluate import evaluate
 
     dtype = models.parse_dtype(args.dtype)
@@ -115,8 +115,15 @@ def _eval(args) -> None:
         )
     if args.write_report and not os.access(args.model, os.W_OK):
         raise ExportError(f"--write-report: {args.model} is not writable")
-    loaded = models.open_streamed(args.model, dtype)  # a block at a time: no model is held whole
     reference = args.reference
+    if args.bitsandbytes:  # the model as load_in_4bit / load_in_8bit gives it, against itself unrounded
+        if args.write_report:
+            raise ExportError("--write-report fills in an export's report; --bitsandbytes writes no export")
+        loaded = bnb.load(args.model, args.bitsandbytes, device, dtype)
+        bits, count = bnb.bits_per_weight(loaded.model.model)  # before a forward moves LLM.int8's scales
+        reference = args.model if reference is None else reference
+    else:
+        loaded = models.open_streamed(args.model, dtype)  # a block at a time: no model is held whole
     if reference is None and manifest.exists():
         reference = json.loads(manifest.read_text()).get("base_model")
     ref_model = models.open_streamed(reference, dtype).model if reference and reference != "none" else None
@@ -125,6 +132,8 @@ def _eval(args) -> None:
         return
     print(f"model: {args.model}    reference: {reference or 'none'}")
     print(f"protocol: {result.protocol}")
+    if args.bitsandbytes:
+        print(f"bitsandbytes {args.bitsandbytes}: {bits:.3f} bits per weight over {count:,} linear weights")
     print(f"perplexity: {result.ppl:.4f}")
     if ref_model is not None:
         print(
@@ -438,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--write-report",
         action="store_true",
         help="write the result into the export's report.json (an `apply --no-eval` export)",
+    )
+    p.add_argument(
+        "--bitsandbytes",
+        choices=["nf4", "nf4-double", "fp4", "int8"],
+        help="score MODEL as transformers' load_in_4bit (nf4, nf4 with double quantization, fp4) or "
+        "load_in_8bit (int8: LLM.int8) gives it; the reference is MODEL itself",
     )
     common(p)
     p.set_defaults(func=_eval)
