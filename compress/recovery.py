@@ -170,14 +170,23 @@ def train(
     weight_lr: float,
     desc: str,
     progress: bool = True,
+    optimizer: str = "adamw",
 ) -> dict:
-    """AdamW with cosine decay; ``loss_of(step)`` builds one step's loss.
+    """AdamW with cosine decay; ``loss_of(step)`` builds one step's loss. ``optimizer``
+    ``adamw8bit``: bitsandbytes' 8-bit AdamW (its moments quantized blockwise; tensors under 4,096
+    values keep fp32 moments, as bitsandbytes decides).
 
     Returns the mean loss of the first and last tenth of the steps (single steps are noisy)
     and the wall time.
     """
     start = time.perf_counter()
-    optimizer = torch.optim.AdamW(trainables.param_groups(lr, weight_lr), weight_decay=0.0)
+    groups = trainables.param_groups(lr, weight_lr)
+    if optimizer == "adamw8bit":
+        import bitsandbytes as bnb
+
+        optimizer = bnb.optim.AdamW8bit(groups, weight_decay=0.0)
+    else:
+        optimizer = torch.optim.AdamW(groups, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
     losses = []
     bar = tqdm(range(steps), desc=desc, unit="step", disable=not progress, leave=False)

@@ -112,6 +112,26 @@ def test_gemma_norms_train_through_one_plus_weight():
     assert _kd(model, dense) < float("inf")
 
 
+def test_qlora_with_8bit_adamw_keeps_8bit_moments_and_trains_as_fp32_adamw_does(monkeypatch):
+    """``optimizer: adamw8bit``: bitsandbytes' AdamW8bit trains the adapter; the moments of the
+    larger LoRA factors are uint8 codes, and the distillation loss falls about as far as with
+    fp32 AdamW on the same steps."""
+    bnb = pytest.importorskip("bitsandbytes")
+    made, real = [], bnb.optim.AdamW8bit
+    monkeypatch.setattr(bnb.optim, "AdamW8bit", lambda *a, **k: made.append(real(*a, **k)) or made[-1])
+    logs = {}
+    for optimizer in ("adamw", "adamw8bit"):
+        torch.manual_seed(0)
+        qlora = f"{{steps: 30, rank: 64, optimizer: {optimizer}, batch: 2, gradient_checkpointing: false}}"
+        recipe = compress_with(tiny("llama"), f"  - rtn: {{bits: 3, group_size: 32}}\n  - qlora: {qlora}\n", IDS)
+        logs[optimizer] = recipe.passes[1].log
+    assert logs["adamw8bit"]["loss_last"] < 0.7 * logs["adamw8bit"]["loss_first"], logs
+    assert logs["adamw8bit"]["loss_last"] < 1.5 * logs["adamw"]["loss_last"], logs
+    (optimizer,) = made
+    moments = [s["state1"].dtype for s in optimizer.state.values() if "state1" in s]
+    assert torch.uint8 in moments  # factors of 4,096+ values: 8-bit; smaller ones stay fp32 in bitsandbytes
+
+
 @pytest.mark.parametrize(
     "passes,message",
     [

@@ -10,6 +10,7 @@ recipe parser calls for every pass: a new method is one file and one recipe.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import warnings
 from dataclasses import replace
@@ -108,6 +109,16 @@ class RecoveryOptions(PassOptions):
     lr: float = Field(1e-3, gt=0)  # scales (a multiplier starting at 1), norms and LoRA factors
     weight_lr: float = Field(3e-5, gt=0)  # raw weights, which are ~100x smaller than a scale multiplier
     batch: int = Field(1, gt=0)  # calibration samples per step
+    # adamw8bit: bitsandbytes' AdamW with its two moments in 8 bits (blockwise quantized, Dettmers et
+    # al. 2022): 2 bytes of state per trained value instead of 8
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"
+
+    @field_validator("optimizer")
+    @classmethod
+    def _installed(cls, v):
+        if v == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("adamw8bit needs the bitsandbytes package: pip install bitsandbytes (or use adamw)")
+        return v
 
     @field_validator("train")
     @classmethod

@@ -61,7 +61,13 @@ class Blockwise(LinearPass):
 
         try:
             self.log[prefix.rstrip(".")] = train(
-                trainables, loss_of, o.steps, o.lr, o.weight_lr, desc=f"reconstructing {prefix.rstrip('.')}"
+                trainables,
+                loss_of,
+                o.steps,
+                o.lr,
+                o.weight_lr,
+                f"reconstructing {prefix.rstrip('.')}",
+                optimizer=o.optimizer,
             )
         finally:
             trainables.finish()

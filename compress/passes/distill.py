@@ -113,7 +113,7 @@ class Distill(ModelPass):
             return loss
 
         try:
-            self.log = train(trainables, loss_of, o.steps, o.lr, o.weight_lr, desc=self.name)
+            self.log = train(trainables, loss_of, o.steps, o.lr, o.weight_lr, self.name, optimizer=o.optimizer)
         finally:
             trainables.finish()
             model.eval()
