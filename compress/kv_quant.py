@@ -16,11 +16,20 @@ Two ways to run it, which see the same numbers:
   query ``i`` reads key ``j`` quantized exactly when a decoder would hold it quantized at
   step ``i`` — ``j < residual·⌊i/residual⌋`` (``j < i`` without a window), the first ``sinks``
   tokens never (counting starts after them).
+
+``pre_rope`` (KVQuant, Hooper et al. 2024): keys are quantized as they were before the rotary
+embedding and rotated again when read. Rotation mixes each channel pair by an angle that changes
+with the position, so a key channel's outliers, steady before it, are spread over two channels
+that swing from token to token after it, which is what a per-channel scale over a group of tokens
+copes with worst. The cache holds the post-rotation keys the model hands it, so each chunk is
+rotated back by its positions' angles, rounded, and rotated forward again (exact up to float
+rounding: a rotation's inverse is its transpose).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from dataclasses import asdict, dataclass
 
 import torch
@@ -36,6 +45,7 @@ class KVScheme:
     group_size: int = 32  # keys: tokens sharing a per-channel scale; values: channels sharing a per-token scale
     residual: int = 128  # recent tokens kept in full precision; a multiple of group_size, or 0
     sinks: int = 0  # the first tokens, kept in full precision for good (attention sinks)
+    pre_rope: bool = False  # keys quantized before the rotary embedding (KVQuant)
 
     def __post_init__(self):
         if self.bits not in (2, 4, 8):
@@ -63,7 +73,8 @@ class KVScheme:
 
     def describe(self) -> str:
         window = f"residual {self.residual}" if self.residual else "no residual"
-        return f"KV INT{self.bits} g{self.group_size} {window}" + (f" sinks {self.sinks}" if self.sinks else "")
+        sinks = f" sinks {self.sinks}" if self.sinks else ""
+        return f"KV INT{self.bits} g{self.group_size} {window}{sinks}" + (" pre-RoPE keys" if self.pre_rope else "")
 
 
 def dense_bytes_per_token(layers: int, kv_heads: int, head_dim: int, float_bytes: int = 2) -> int:
@@ -98,18 +109,42 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
     return (codes.to(scale.dtype) * scale + minimum).reshape(shape)
 
 
-def round_trip(k: torch.Tensor, v: torch.Tensor, s: KVScheme) -> tuple[torch.Tensor, torch.Tensor]:
-    return dequantize(*quantize_keys(k, s), k.shape), dequantize(*quantize_values(v, s), v.shape)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """The rotary embedding (the half-split layout of Llama, Mistral, Qwen and Gemma), or its inverse."""
+    if cos.shape[-1] != x.shape[-1]:
+        raise ValueError(f"pre_rope: the rotary embedding covers {cos.shape[-1]} of {x.shape[-1]} key channels")
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
+    return x * cos - rotated * sin if inverse else x * cos + rotated * sin
+
+
+def round_trip(
+    k: torch.Tensor, v: torch.Tensor, s: KVScheme, rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values as a decoder reads them back. ``rotary``: the (cos, sin) of the keys'
+    positions, broadcastable to ``k``; needed with ``pre_rope``."""
+    if s.pre_rope:
+        if rotary is None:
+            raise ValueError("pre_rope: the keys' rotary angles are needed")
+        before = rotate(k, *rotary, inverse=True)
+        keys = rotate(dequantize(*quantize_keys(before, s), k.shape), *rotary)
+    else:
+        keys = dequantize(*quantize_keys(k, s), k.shape)
+    return keys, dequantize(*quantize_values(v, s), v.shape)
 
 
 class KIVILayer(DynamicLayer):
     """One layer's cache: full-precision sinks (the first tokens), quantized chunks (codes, scales,
-    minima) and a full-precision window (``self.keys`` / ``self.values``, as in ``DynamicLayer``)."""
+    minima) and a full-precision window (``self.keys`` / ``self.values``, as in ``DynamicLayer``).
+    ``rotary(start, count, like)``: the (cos, sin) of positions ``start .. start + count`` for
+    this layer's keys (``pre_rope``; positions count from the first cached token)."""
 
-    def __init__(self, scheme: KVScheme):
+    def __init__(self, scheme: KVScheme, rotary=None):
         super().__init__()
-        self.scheme = scheme
-        self.chunks: list[tuple[tuple, tuple, torch.Size]] = []  # (key codes, value codes, chunk shape)
+        if scheme.pre_rope and rotary is None:
+            raise ValueError("pre_rope: the cache needs the model's rotary embedding (kv_quant.new_cache)")
+        self.scheme, self.rotary = scheme, rotary
+        self.chunks: list[tuple[tuple, tuple, torch.Size, int]] = []  # key codes, value codes, shape, start
         self.quantized_tokens = 0
         self.sink_keys = self.sink_values = None
 
@@ -136,7 +171,10 @@ class KIVILayer(DynamicLayer):
         if n == 0:
             return
         k, v = self.keys[..., :n, :], self.values[..., :n, :]
-        self.chunks.append((quantize_keys(k, s), quantize_values(v, s), k.shape))
+        start = self.sink_keys.shape[-2] + self.quantized_tokens
+        if s.pre_rope:
+            k = rotate(k, *self.rotary(start, n, k), inverse=True)
+        self.chunks.append((quantize_keys(k, s), quantize_values(v, s), k.shape, start))
         self.keys, self.values = self.keys[..., n:, :], self.values[..., n:, :]
         self.quantized_tokens += n
 
@@ -144,8 +182,10 @@ class KIVILayer(DynamicLayer):
         empty = self.keys[..., :0, :]
         if not self.chunks:
             return empty, self.values[..., :0, :]
-        keys = [dequantize(*qk, shape) for qk, _, shape in self.chunks]
-        values = [dequantize(*qv, shape) for _, qv, shape in self.chunks]
+        keys = [dequantize(*qk, shape) for qk, _, shape, _ in self.chunks]
+        if self.scheme.pre_rope:
+            keys = [rotate(k, *self.rotary(start, k.shape[-2], k)) for k, (*_, start) in zip(keys, self.chunks)]
+        values = [dequantize(*qv, shape) for _, qv, shape, _ in self.chunks]
         return torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
 
     def get_seq_length(self) -> int:
@@ -166,10 +206,11 @@ class KIVILayer(DynamicLayer):
 
 
 class KIVICache(Cache):
-    """``model.generate(..., past_key_values=KIVICache(scheme, model.config.num_hidden_layers))``."""
+    """``model.generate(..., past_key_values=KIVICache(scheme, model.config.num_hidden_layers))``;
+    ``rotary(layer)``: that layer's ``KIVILayer`` rotary (``pre_rope``; ``new_cache`` builds it)."""
 
-    def __init__(self, scheme: KVScheme, num_layers: int):
-        super().__init__(layers=[KIVILayer(scheme) for _ in range(num_layers)])
+    def __init__(self, scheme: KVScheme, num_layers: int, rotary=None):
+        super().__init__(layers=[KIVILayer(scheme, rotary and rotary(i)) for i in range(num_layers)])
 
 
 def _simulated_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
@@ -182,7 +223,12 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling, dro
     a, b = min(s.sinks, n), s.quantized_upto(n)  # the chunks a decoder ends up holding quantized
     kq, vq = key.clone(), value.clone()
     if b > a:
-        kq[..., a:b, :], vq[..., a:b, :] = round_trip(key[..., a:b, :], value[..., a:b, :], s)
+        rotary = None
+        if s.pre_rope:  # the angles of this call's tokens (``simulating``), which are all the keys
+            if q_len != n:
+                raise ValueError("pre_rope is simulated over whole windows only")
+            rotary = tuple(t[:, None, a:b].to(key.dtype) for t in module.kv_rotary)
+        kq[..., a:b, :], vq[..., a:b, :] = round_trip(key[..., a:b, :], value[..., a:b, :], s, rotary)
     after = (torch.arange(n - q_len, n, device=query.device) - s.sinks).clamp(min=0)  # query i attends at step i
     bound = s.sinks + (after if s.residual == 0 else s.residual * torch.div(after, s.residual, rounding_mode="floor"))
     position = torch.arange(n, device=query.device)[None, :]
@@ -239,10 +285,19 @@ def simulating(model: torch.nn.Module):
     _register()
     before = model.config._attn_implementation
     model.set_attn_implementation(ATTENTION)
+    hooks = []
+    if scheme_of(model).pre_rope:  # the attention function is not handed the rotary angles: keep them
+
+        def keep_angles(module, args, kwargs):
+            module.kv_rotary = kwargs["position_embeddings"]
+
+        hooks = [m.register_forward_pre_hook(keep_angles, with_kwargs=True) for m in attention_modules(model)]
     try:
         yield model
     finally:
         model.set_attn_implementation(before)
+        for hook in hooks:
+            hook.remove()
 
 
 def cache_dims(config) -> tuple[int, int, int]:
@@ -260,4 +315,24 @@ def bytes_per_token(model: torch.nn.Module) -> float | None:
 def new_cache(model: torch.nn.Module) -> Cache | None:
     """The cache ``generate`` should use for ``model``: a KIVICache when it carries a scheme."""
     scheme = scheme_of(model)
-    return None if scheme is None else KIVICache(scheme, model.config.num_hidden_layers)
+    if scheme is None:
+        return None
+    return KIVICache(scheme, model.config.num_hidden_layers, _rotary_of(model) if scheme.pre_rope else None)
+
+
+def _rotary_of(model: torch.nn.Module):
+    """Per layer, (start, count, like) -> the (cos, sin) its keys were rotated by, from the model's
+    own rotary module (Gemma-3's takes the layer's type: local and global layers differ)."""
+    rotary = model.get_decoder().rotary_emb
+    types = getattr(model.config, "layer_types", None)
+    per_type = "layer_type" in inspect.signature(rotary.forward).parameters
+
+    def of_layer(layer: int):
+        def angles(start: int, count: int, like: torch.Tensor):
+            positions = torch.arange(start, start + count, device=like.device)[None]
+            cos, sin = rotary(like, positions, *([types[layer]] if per_type else []))
+            return cos[:, None].to(like.dtype), sin[:, None].to(like.dtype)
+
+        return angles
+
+    return of_layer

@@ -189,12 +189,13 @@ def test_kernel_timings_are_kept_per_machine(tmp_path, monkeypatch):
     assert again.formats == first.formats and again.timings == first.timings
 
 
-@pytest.mark.parametrize("sinks", [0, 3])
-def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding(sinks):
+@pytest.mark.parametrize("sinks,pre_rope", [(0, False), (3, False), (3, True)])
+def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding(sinks, pre_rope):
     from compress import kv_quant
 
     model = tiny("llama", layers=2)
-    kv_quant.install(model, kv_quant.KVScheme(bits=2, group_size=4, residual=8, sinks=sinks))  # 2 bits: it matters
+    scheme = kv_quant.KVScheme(bits=2, group_size=4, residual=8, sinks=sinks, pre_rope=pre_rope)  # 2 bits: it matters
+    kv_quant.install(model, scheme)
     prompt = _prompt(21)
     kivi = greedy(model, prompt, 40, cache=kv_quant.new_cache(model)).tokens
     assert kivi != greedy(Engine(tiny("llama", layers=2), kernel="fp32"), prompt, 40).tokens  # it changes tokens

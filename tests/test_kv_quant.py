@@ -68,7 +68,15 @@ def test_bytes_per_token_counts_codes_scales_and_minima():
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 @pytest.mark.parametrize(
     "scheme",
-    [KVScheme(2, 16, 32), KVScheme(2, 16, 0), KVScheme(4, 16, 16), KVScheme(2, 16, 32, 4), KVScheme(2, 16, 0, 4)],
+    [
+        KVScheme(2, 16, 32),
+        KVScheme(2, 16, 0),
+        KVScheme(4, 16, 16),
+        KVScheme(2, 16, 32, 4),
+        KVScheme(2, 16, 0, 4),
+        KVScheme(2, 16, 32, 4, pre_rope=True),
+        KVScheme(2, 16, 0, pre_rope=True),
+    ],
 )
 def test_simulated_evaluation_equals_decoding_with_the_cache(model_type, scheme):
     """One full-window forward under ``simulating`` gives the logits that token-by-token
@@ -79,7 +87,7 @@ def test_simulated_evaluation_equals_decoding_with_the_cache(model_type, scheme)
     with torch.no_grad():
         with kv_quant.simulating(model):
             simulated = model(ids, use_cache=False).logits
-        cache = KIVICache(scheme, model.config.num_hidden_layers)
+        cache = kv_quant.new_cache(model)
         decoded = torch.cat([model(ids[:, t : t + 1], **with_cache(model, cache)).logits for t in range(80)], 1)
         dense = model(ids).logits
     torch.testing.assert_close(simulated, decoded, atol=2e-6, rtol=0)
@@ -87,11 +95,28 @@ def test_simulated_evaluation_equals_decoding_with_the_cache(model_type, scheme)
     assert model.config._attn_implementation != kv_quant.ATTENTION  # restored after the evaluation
 
 
+def test_pre_rope_keys_keep_channels_that_are_steady_before_the_rotation():
+    """KVQuant's reason: a key channel pair steady across tokens before the rotary embedding swings
+    with the position after it, so per-channel groups quantized after the rotation lose what the
+    same groups quantized before it keep (here: exactly, since each channel is constant)."""
+    model = tiny("llama")
+    rotary = kv_quant._rotary_of(model)(0)
+    before = torch.randn(1, 2, 1, 16).expand(1, 2, 64, 16)  # constant per channel along the tokens
+    cos, sin = rotary(0, 64, before)
+    keys = kv_quant.rotate(before, cos, sin)
+    values = torch.zeros_like(keys)
+    after_rope, _ = kv_quant.round_trip(keys, values, KVScheme(2, 16, 32))
+    pre_rope, _ = kv_quant.round_trip(keys, values, KVScheme(2, 16, 32, pre_rope=True), (cos, sin))
+    assert (pre_rope - keys).abs().max() < 1e-5
+    assert (after_rope - keys).abs().max() > 0.1
+
+
 def test_scheme_is_exported_and_reinstalled(tmp_path):
     from compress.export import export
 
     model = tiny("llama")
-    recipe = compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n  - kv_cache: {bits: 2, group_size: 16}\n")
+    kv = "{bits: 2, group_size: 16, pre_rope: true}"
+    recipe = compress_with(model, f"  - rtn: {{bits: 4, group_size: 32}}\n  - kv_cache: {kv}\n")
     out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
     reloaded = models.load_model(out, torch.float32)
     assert reloaded.config.compress_kv_cache == {
@@ -100,8 +125,9 @@ def test_scheme_is_exported_and_reinstalled(tmp_path):
         "group_size": 16,
         "residual": 128,
         "sinks": 0,
+        "pre_rope": True,
     }
-    assert kv_quant.scheme_of(reloaded) == KVScheme(2, 16, 128)
+    assert kv_quant.scheme_of(reloaded) == KVScheme(2, 16, 128, pre_rope=True)
     assert isinstance(kv_quant.new_cache(reloaded), KIVICache)
 
 

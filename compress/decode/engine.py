@@ -303,10 +303,11 @@ class Engine:
         if n <= 0:
             return
         done = slice(start, start + n)
-        for k_cache, v_cache in zip(self.k_cache, self.v_cache):
+        for layer, k_cache, v_cache in zip(self.layers, self.k_cache, self.v_cache):
+            cos, sin = self.rotary[layer.rotary]
             # in the stream's dtype, as ``KIVICache`` quantizes (the cache may be wider: values stay exact)
             k_cache[:, :, done], v_cache[:, :, done] = kv_quant.round_trip(
-                k_cache[:, :, done].to(self.dtype), v_cache[:, :, done].to(self.dtype), s
+                k_cache[:, :, done].to(self.dtype), v_cache[:, :, done].to(self.dtype), s, (cos[done], sin[done])
             )
         self.quantized_upto = start + n
 

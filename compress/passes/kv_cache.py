@@ -21,6 +21,7 @@ class KVCacheOptions(PassOptions):
     group_size: int = Field(32, gt=0)
     residual: int = Field(128, ge=0)  # recent tokens in full precision: 0, or a multiple of group_size
     sinks: int = Field(0, ge=0)  # the first tokens in full precision for good (attention sinks)
+    pre_rope: bool = False  # keys quantized before the rotary embedding (KVQuant)
 
 
 class KVCachePass(LayerPass):
@@ -32,7 +33,7 @@ class KVCachePass(LayerPass):
     def __init__(self, options, where):
         super().__init__(options, where)
         try:
-            self.scheme = KVScheme(options.bits, options.group_size, options.residual, options.sinks)
+            self.scheme = KVScheme(options.bits, options.group_size, options.residual, options.sinks, options.pre_rope)
         except ValueError as e:
             raise RecipeError(f"{where}: {e}") from None
 
