@@ -304,45 +304,22 @@ class OneDNN(Matmul):
 
 class Int4(Matmul):
     """torch's packed-int4 CPU kernel (tinygemm layout, ``u = q + 8``, ``zero = −z·scale``), fed
-    bf16 rows: its fp32 path is 20–30× slower on every CPU measured here.
-
-    The kernel is made for a few rows; a prompt's rows run faster as a GEMM over the dequantized
-    weights (300 rows on a Zen 4: 576→3072 in 4.1 ms against 6.3, on an AMX Xeon a whole prompt
-    456 against 124 ms in bf16), read back from the packed codes where their layout is the one
-    ``_codes`` knows (checked against the codes once, here)."""
+    bf16 rows: its fp32 path is 20–30× slower on every CPU measured here."""
 
     fmt, dtype = "int4", torch.bfloat16
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias):
         super().__init__(bias)
         self.group_size = q.shape[1] // scale.shape[1]
-        codes = (q.to(torch.int32) + 8).contiguous()
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
         scale = scale.float()
         self.scales_and_zeros = (
             torch.stack([scale, -zero.float() * scale], -1).transpose(0, 1).contiguous().to(self.dtype)
         )
         self.nbytes = q.numel() // 2 + self.scales_and_zeros.nbytes
         self.out_features, self.in_features = q.shape
-        unpacked = self._codes()
-        self.unpacks = unpacked is not None and torch.equal(unpacked, codes.to(torch.uint8))
-
-    def _codes(self) -> torch.Tensor | None:
-        """The codes ``u`` (out, in) read back from the packed weight, in the layout torch's CPU
-        builds use with AVX-512 (blocks of 64 output rows; byte ``(block, k, i)`` holds row
-        ``64·block + i`` in its low nibble and ``64·block + 32 + i`` in its high one); None where
-        the shape cannot be that layout."""
-        rows, width = self.out_features, self.in_features
-        if rows % 64 or self.packed.numel() * 2 != rows * width:
-            return None
-        blocks = self.packed.view(rows // 64, width, 32)
-        return torch.cat([blocks & 15, blocks >> 4], -1).transpose(1, 2).reshape(rows, width)
 
     def matmul(self, x):
-        if x.shape[0] > VERIFY_ROWS and self.unpacks:  # a prompt
-            scale, zero = (t.t().float().unsqueeze(-1) for t in self.scales_and_zeros.unbind(-1))  # (out, groups, 1)
-            codes = self._codes().float().view(self.out_features, -1, self.group_size)
-            return prompt_product(x, ((codes - 8) * scale + zero).view(self.out_features, self.in_features))
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
