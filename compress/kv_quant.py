@@ -112,7 +112,7 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """The rotary embedding (the half-split layout of Llama, Mistral, Qwen and Gemma), or its inverse."""
     if cos.shape[-1] != x.shape[-1]:
-        raise ValueError(f"pre_rope: the rotary embedding covers {cos.shape[-1]} of {x.shape[-1]} key channels")
+        raise ValueError(f"the rotary angles cover {cos.shape[-1]} of {x.shape[-1]} channels (no partial rotary here)")
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
     return x * cos - rotated * sin if inverse else x * cos + rotated * sin
@@ -298,6 +298,8 @@ def simulating(model: torch.nn.Module):
         model.set_attn_implementation(before)
         for hook in hooks:
             hook.remove()
+        for m in attention_modules(model) if hooks else []:
+            m.__dict__.pop("kv_rotary", None)
 
 
 def cache_dims(config) -> tuple[int, int, int]:

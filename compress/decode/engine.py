@@ -500,7 +500,7 @@ class Engine:
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             cos, sin = rotary[layer.rotary]
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            q, k = kv_quant.rotate(q, cos, sin), kv_quant.rotate(k, cos, sin)
             # index_copy_ on the cache itself, not an assignment through a view of it: compiled,
             # the assignment became a copy of the whole cache and a copy back, every layer and step
             k_cache.index_copy_(2, slots, k[None].to(k_cache.dtype))
@@ -735,9 +735,3 @@ def _compiled(engine: Engine):
 
     step.path, step.built = path, None  # built: compiled in this process (False: loaded; None: not yet run)
     return step
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), -1)
-    return x * cos + rotated * sin
