@@ -52,6 +52,7 @@ from compress.decode import (
     early_exit,
     greedy,
     kernels,
+    native,
     speculate,
 )
 from compress.decode.engine import Engine
@@ -240,6 +241,10 @@ def main() -> None:
     else:
         rows[f"ours W4 greedy (RTN in memory), {how}"] = engine_row(base, quantize="w4", **w4)
     rows[f"ours W4 greedy + int4 lm_head (lossy), {how}"] = engine_row(base, quantize="w4", lm_head="int4", **w4)
+    if not cuda and native.available():  # W4 weights times int8 rows: lossy in the activations
+        a8 = dict(quantize="w4", kernel="int4-a8", compile=True)
+        rows["ours W4A8 greedy (RTN in memory, int4-a8), compiled"] = engine_row(base, **a8)
+        rows["ours W4A8 greedy + int4 lm_head (lossy), compiled"] = engine_row(base, lm_head="int4", **a8)
     plain = "CUDA graphs" if cuda else "eager"  # the target's steps (a W4 draft: its own graphs, or eager)
     if args.w8a8:
         w8a8 = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)

@@ -124,6 +124,49 @@ def test_native_int4_product_computes_the_dequantized_weights(group):
 
 
 @needs_native
+@pytest.mark.parametrize("group", [64, 128])
+def test_native_w4a8_product_rounds_each_block_of_64_values_to_int8(group):
+    generator = torch.Generator().manual_seed(group)
+    u = torch.randint(0, 16, (48, 256), generator=generator)
+    scale = torch.rand(48, 256 // group, generator=generator) / 16
+    offset = torch.randn(48, 256 // group, generator=generator) / 4
+    packed = native.pack_int4(u)
+    x = torch.randn(5, 256, generator=generator)
+    x[1, 64:128] = 0  # a block of zeros: scale 0, no division by it
+    blocks = x.reshape(5, 4, 64)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(blocks / step.clamp(min=1e-30)) * step).reshape(5, 256)  # ties to even, as the kernel
+    # the integer products are exact; the offset term meets the unrounded values
+    expected = rounded @ (u.float() * scale.repeat_interleave(group, 1)).T + x @ offset.repeat_interleave(group, 1).T
+    product = torch.ops.compress.int4_matmul_a8(x, packed, scale, offset, group)
+    torch.testing.assert_close(product, expected, atol=1e-4, rtol=1e-5)
+    rows = torch.cat([torch.ops.compress.int4_matmul_a8(row, packed, scale, offset, group) for row in x.split(1)])
+    assert torch.equal(product, rows)  # each row alone: verify steps equal one-token steps
+    with pytest.raises(RuntimeError, match="groups of 64k"):
+        torch.ops.compress.int4_matmul_a8(x, packed, torch.zeros(48, 8), torch.zeros(48, 8), 32)
+
+
+@needs_native
+def test_w4a8_is_used_only_when_asked_for():
+    """``int4-a8`` rounds activations, so ``auto`` never picks it; asked for, it runs every W4
+    group (and a lossy int4 lm_head), its verify steps equal its one-token steps, and its tokens
+    follow the W4 model's."""
+    model = tiny("llama", hidden=128).to(torch.bfloat16)
+    compress_with(model, "  - rtn: {bits: 4, group_size: 64, symmetric: true}\n")
+    prompt = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    assert "int4-a8" not in Engine(model).formats.values()
+    a8 = Engine(model, kernel="int4-a8", lm_head="int4")
+    assert set(a8.formats.values()) == {"int4-a8"}
+    a8.forward(prompt[0, :20])
+    one_by_one = torch.cat([a8.forward(prompt[0, i : i + 1]) for i in range(20, 24)])
+    a8.crop(4)
+    assert torch.equal(a8.forward(prompt[0, 20:24]), one_by_one)
+    exact = Engine(model, kernel="int4-avx2", lm_head="int4")
+    exact.forward(prompt[0, :20])
+    torch.testing.assert_close(exact.forward(prompt[0, 20:24]), one_by_one, atol=0.05, rtol=0)
+
+
+@needs_native
 def test_native_bf16_product_and_attention_compute_what_torch_computes():
     generator = torch.Generator().manual_seed(0)
     weight, x = torch.randn(40, 96, generator=generator).bfloat16(), torch.randn(3, 96, generator=generator)

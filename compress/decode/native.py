@@ -1,5 +1,6 @@
 """Our own decode kernels for AVX2 CPUs (``native_avx2.cpp``): a bf16 and a W4 one-row product
-and one-row attention, built with the machine's C++ compiler on first use and kept on disk.
+(and a W4A8 one, over rows rounded to int8) and one-row attention, built with the machine's C++
+compiler on first use and kept on disk.
 
 Why: on a CPU without AVX-512 (AMD Zen 1-3) torch has no fast product for bf16 or int4 weights.
 oneDNN refuses bf16 weights there, aten's bf16 GEMV and inductor's generated GEMV stream far
@@ -29,6 +30,7 @@ from .. import machine
 from ..models import cache_dir
 
 SOURCE = Path(__file__).with_name("native_avx2.cpp")
+FORMATS = ("bf16-avx2", "int4-avx2", "int4-a8")  # the weight formats (``kernels``) these kernels compute
 
 
 def _compiler() -> str | None:
@@ -106,6 +108,10 @@ def _register_shapes() -> None:
         return x.new_empty(x.shape[0], w.shape[0])
 
     @torch.library.register_fake("compress::int4_matmul")
+    def _(x, packed, scale, offset, group):
+        return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("compress::int4_matmul_a8")
     def _(x, packed, scale, offset, group):
         return x.new_empty(x.shape[0], packed.shape[0])
 
