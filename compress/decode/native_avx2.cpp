@@ -19,6 +19,29 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// e^x for x <= 0 (Cephes' expf: range reduction by ln 2, a degree-5 polynomial; ~1 ulp)
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(c));
+  }
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(power));
+}
+
+// The eight lane sums of a[0..7], in one vector (the same additions for every slot of a chunk).
+inline __m256 sums8(const __m256* a) {
+  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 void check_rows(const at::Tensor& x, int64_t width) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "rows: a contiguous 2-D float32 CPU tensor");
@@ -323,7 +346,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   // per (head, row, chunk): the largest score, the sum of exp(score - largest), the unnormalised output
   std::vector<float> top(H * M * C, -INFINITY), mass(H * M * C, 0.f), partial(H * M * C * D);
   at::parallel_for(0, Hkv * C, 1, [&](int64_t begin, int64_t end) {
-    float p[chunk];
+    alignas(32) float p[chunk];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t hk = item / C, c = item % C;
       const float* kh = kp + hk * k.stride(0);
@@ -334,28 +357,41 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
         if (lo >= hi) continue;
         for (int64_t h = hk * groups; h < (hk + 1) * groups; ++h) {
           const float* qr = qp + (h * M + m) * D;
-          float best = -INFINITY;
-          for (int64_t s = lo; s < hi; ++s) {
-            __m256 a = _mm256_setzero_ps();
-            for (int64_t d = 0; d < D; d += 8) {
-              a = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kh + s * D + d), a);
+          // scores, eight slots at a time (past ``hi``: zero keys' scores, never used)
+          const int64_t n = hi - lo;
+          for (int64_t s0 = 0; s0 < n; s0 += 8) {
+            __m256 a[8];
+            for (int j = 0; j < 8; ++j) {
+              a[j] = _mm256_setzero_ps();
+              if (s0 + j >= n) continue;
+              const float* kr = kh + (lo + s0 + j) * D;
+              for (int64_t d = 0; d < D; d += 8) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + d), _mm256_loadu_ps(kr + d), a[j]);
             }
-            p[s - lo] = hsum(a) * scale;
-            best = std::max(best, p[s - lo]);
+            _mm256_storeu_ps(p + s0, _mm256_mul_ps(sums8(a), _mm256_set1_ps(scale)));
           }
+          float best = -INFINITY;
+          for (int64_t s = 0; s < n; ++s) best = std::max(best, p[s]);
           float total = 0.f;
-          for (int64_t s = 0; s < hi - lo; ++s) {
-            p[s] = std::exp(p[s] - best);
-            total += p[s];
+          for (int64_t s0 = 0; s0 < n; s0 += 8) {
+            _mm256_storeu_ps(p + s0, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(p + s0), _mm256_set1_ps(best))));
           }
+          for (int64_t s = 0; s < n; ++s) total += p[s];
           const int64_t at = (h * M + m) * C + c;
           float* o = partial.data() + at * D;
-          for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(o + d, _mm256_setzero_ps());
-          for (int64_t s = lo; s < hi; ++s) {  // one pass over the values, row after row
-            const __m256 w = _mm256_set1_ps(p[s - lo]);
-            for (int64_t d = 0; d < D; d += 8) {
-              _mm256_storeu_ps(o + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vh + s * D + d), _mm256_loadu_ps(o + d)));
+          for (int64_t d0 = 0; d0 < D; d0 += 64) {  // one pass over the values per 64 dims, in registers
+            const int width = static_cast<int>(std::min<int64_t>(64, D - d0)) / 8;
+            __m256 acc[8];
+            for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+            for (int64_t s = 0; s < n; ++s) {
+              const __m256 w = _mm256_set1_ps(p[s]);
+              const float* vr = vh + (lo + s) * D + d0;
+              if (width == 8) {
+                for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+              } else {
+                for (int j = 0; j < width; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+              }
             }
+            for (int j = 0; j < width; ++j) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
           }
           top[at] = best;
           mass[at] = total;
