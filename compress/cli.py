@@ -205,7 +205,10 @@ def _decode(args) -> None:
         )
         return built
 
-    target = engine(model)  # every method runs on the engine (KIVI caches too)
+    if args.lm_head == "int8" and device.type != "cpu":
+        raise decode.DecodeError("--lm-head int8 runs on the CPU only; use --lm-head int4 on a GPU")
+    # every method runs on the engine (KIVI caches too); a lossy lm_head for the target only
+    target = engine(model, lm_head=None if args.lm_head == "exact" else args.lm_head)
     if args.method == "greedy":
         if not sampling.greedy:
             raise decode.DecodeError("--method greedy takes no --temperature; use prompt-lookup or draft to sample")
@@ -524,6 +527,13 @@ def build_parser() -> argparse.ArgumentParser:
         "matmuls; a format: used wherever it is exact; int4-a8: W4 weights on our kernel with each "
         "step's activations rounded to int8 per 64 (lossy, never chosen by auto; faster where "
         "int4 products are compute-bound)",
+    )
+    p.add_argument(
+        "--lm-head",
+        choices=["exact", "int8", "int4"],
+        default="exact",
+        help="the output layer as the model holds it (default), or rounded to int8/int4 in memory for "
+        "decoding (lossy: on SmolLM2 it is 21%% of the weight bytes a token reads)",
     )
     p.add_argument(
         "--compile",

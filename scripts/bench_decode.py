@@ -9,7 +9,8 @@ wikitext-2 test passage and a request to repeat or summarise it: the output reus
 and "open" (open-ended requests). Rows: transformers' eager greedy (fp32, as our evaluation
 computes, and bf16), transformers' static cache + ``torch.compile`` as its docs recommend, our
 engine eager and compiled (kernels chosen by timing), W4 (an export given with ``--w4``, else
-the model rounded to W4 in memory: the same kernel and bytes), W8A8 (``--w8a8``), prompt lookup,
+the model rounded to W4 in memory: the same kernel and bytes), W4A8 on a CPU with our kernels
+(the same W4 weights, each step's rows rounded to int8: ``--kernel int4-a8``), W8A8 (``--w8a8``), prompt lookup,
 a W4 copy of the model drafting for it (alone and behind prompt lookup; both speculative
 methods also on the compiled target, whose verify steps round as its one-token steps), lookahead, early exit
 (lossy), a KIVI cache (``--kivi``: an export of ``kv-int4``; the engine reproduces KIVI's

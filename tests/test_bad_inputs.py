@@ -278,6 +278,7 @@ BAD_FLAGS = {
         ("--seed", "-2"),
         ("--method", "nonsense"),
         ("--kernel", "nonsense"),
+        ("--lm-head", "int2"),
     ],
 }
 COMMANDS = {

@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from compress.decode import native
+
 
 def run(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "compress.cli", *args], capture_output=True, text=True, cwd=cwd)
@@ -89,6 +91,15 @@ def test_decode_refuses_our_avx2_kernels_where_they_are_off(monkeypatch):
     monkeypatch.setenv("COMPRESS_NATIVE", "0")
     result = run("decode", "smollm2-135m", "--prompt", "hi", "--kernel", "int4-avx2")
     assert result.returncode == 2 and "--kernel int4-avx2: our AVX2 kernels are not available here" in result.stderr
+
+
+@pytest.mark.skipif(not native.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
+def test_decode_rounds_the_lm_head_only_when_asked():
+    args = ("decode", "smollm2-135m", "--prompt", "hi", "--method", "greedy", "--max-new-tokens", "4")
+    result = run(*args, "--kernel", "int4-a8", "--lm-head", "int4")
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr[-2000:]
+    # a dense model: its block linears hold no W4 integers, so only the rounded lm_head is W4A8
+    assert "lm_head: int4-a8" in result.stderr and "qkv: bf16-avx2" in result.stderr
 
 
 def test_decode_prompt_lookup_prints_the_greedy_output():

@@ -48,6 +48,22 @@ void check_rows(const at::Tensor& x, int64_t width) {
   TORCH_CHECK(x.size(1) == width, "rows of width ", x.size(1), " for a weight of width ", width);
 }
 
+// The W4 products' arguments: packed codes [N, K / 8], scale and offset [N, K / group], rows of width K.
+// W4A8 takes groups of 64k only (a group may not split a block of 64 met by one activation scale).
+void check_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset,
+              int64_t group, bool a8) {
+  const int64_t K = packed.size(1) * 8, N = packed.size(0);
+  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && K % 64 == 0,
+              "packed: contiguous int32, width a multiple of 64");
+  TORCH_CHECK(((group == 32 && !a8) || group % 64 == 0) && K % group == 0, "group size ", group, " for width ", K,
+              a8 ? " (W4A8: groups of 64k)" : "");
+  for (const auto* t : {&scale, &offset}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == N && t->size(1) == K / group,
+                "scale and offset: contiguous float32 [out, groups]");
+  }
+  check_rows(x, K);
+}
+
 }  // namespace
 
 // y = x @ w.T for bf16 w [N, K] (K % 16 == 0). A 32-bit lane holds two weights: the even one is
@@ -103,16 +119,8 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& w) {
 // sign bit).
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const at::Tensor& offset, int64_t group) {
-  const int64_t K = packed.size(1) * 8, N = packed.size(0);
-  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && K % 64 == 0,
-              "packed: contiguous int32, width a multiple of 64");
-  TORCH_CHECK((group == 32 || group % 64 == 0) && K % group == 0, "group size ", group, " for width ", K);
-  const int64_t G = K / group;
-  for (const auto* t : {&scale, &offset}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == N && t->size(1) == G,
-                "scale and offset: contiguous float32 [out, groups]");
-  }
-  check_rows(x, K);
+  check_w4(x, packed, scale, offset, group, false);
+  const int64_t K = packed.size(1) * 8, N = packed.size(0), G = K / group;
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -237,16 +245,8 @@ inline void w4a8_rows(const int32_t* wp, const float* sp, const float* op, int64
 // 16 c + 8 + l in its high one; the row's int8 values are permuted to match once per call.
 at::Tensor int4_matmul_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                           const at::Tensor& offset, int64_t group) {
-  const int64_t K = packed.size(1) * 8, N = packed.size(0);
-  TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && K % 64 == 0,
-              "packed: contiguous int32, width a multiple of 64");
-  TORCH_CHECK(group % 64 == 0 && K % group == 0, "group size ", group, " for width ", K, " (W4A8: groups of 64k)");
-  const int64_t G = K / group, B = K / 64, per = group / 64;
-  for (const auto* t : {&scale, &offset}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == N && t->size(1) == G,
-                "scale and offset: contiguous float32 [out, groups]");
-  }
-  check_rows(x, K);
+  check_w4(x, packed, scale, offset, group, true);
+  const int64_t K = packed.size(1) * 8, N = packed.size(0), G = K / group, B = K / 64, per = group / 64;
   const int64_t M = x.size(0);
   auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
