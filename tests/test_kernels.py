@@ -105,14 +105,19 @@ def test_bf16_without_onednn_runs_on_aten_and_decodes_as_with_it(monkeypatch):
 needs_native = pytest.mark.skipif(not native.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
 
 
-@needs_native
-@pytest.mark.parametrize("group", [32, 64, 128])
-def test_native_int4_product_computes_the_dequantized_weights(group):
+def _random_w4(group: int):
+    """(generator, codes 48×256, scale, offset, the codes packed for our kernels), seeded by ``group``."""
     generator = torch.Generator().manual_seed(group)
     u = torch.randint(0, 16, (48, 256), generator=generator)
     scale = torch.rand(48, 256 // group, generator=generator) / 16
     offset = torch.randn(48, 256 // group, generator=generator) / 4
-    packed = native.pack_int4(u)
+    return generator, u, scale, offset, native.pack_int4(u)
+
+
+@needs_native
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_native_int4_product_computes_the_dequantized_weights(group):
+    generator, u, scale, offset, packed = _random_w4(group)
     weight = u.float() * scale.repeat_interleave(group, 1) + offset.repeat_interleave(group, 1)
     # the compiler may fuse scale·u + offset into one FMA (one rounding, not two)
     torch.testing.assert_close(torch.ops.compress.int4_dequantize(packed, scale, offset, group), weight)
@@ -126,11 +131,7 @@ def test_native_int4_product_computes_the_dequantized_weights(group):
 @needs_native
 @pytest.mark.parametrize("group", [64, 128])
 def test_native_w4a8_product_rounds_each_block_of_64_values_to_int8(group):
-    generator = torch.Generator().manual_seed(group)
-    u = torch.randint(0, 16, (48, 256), generator=generator)
-    scale = torch.rand(48, 256 // group, generator=generator) / 16
-    offset = torch.randn(48, 256 // group, generator=generator) / 4
-    packed = native.pack_int4(u)
+    generator, u, scale, offset, packed = _random_w4(group)
     x = torch.randn(5, 256, generator=generator)
     x[1, 64:128] = 0  # a block of zeros: scale 0, no division by it
     blocks = x.reshape(5, 4, 64)
