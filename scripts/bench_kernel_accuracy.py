@@ -63,20 +63,19 @@ def main() -> None:
     print(f"{args.windows} windows of {args.seqlen} tokens, steps of {STEP}")
     print("| format | kernels | perplexity | KL to dense (nats/token) |")
     print("|---|---|---|---|")
-    reference = None
+    reference = None  # the first format's (dense) log-probabilities per window
     for name, kw in formats.items():
         engine = Engine(model, max_len=args.seqlen + STEP, **kw)
-        nll, kl, count = 0.0, 0.0, 0
+        nll, kl, count, computed = 0.0, 0.0, 0, []
         for window_index, window in enumerate(windows):
             log_probs = step_log_probs(engine, window)
+            computed.append(log_probs)
             nll -= log_probs.gather(1, window[1:, None]).sum().item()
             count += window.numel() - 1
-            if reference is None:
-                continue
-            ref = reference[window_index]
-            kl += (ref.exp() * (ref - log_probs)).sum().item()
-        if reference is None:
-            reference = [step_log_probs(engine, w) for w in windows]
+            if reference is not None:
+                ref = reference[window_index]
+                kl += (ref.exp() * (ref - log_probs)).sum().item()
+        reference = reference or computed
         kinds = ", ".join(sorted(set(engine.formats.values())))
         print(f"| {name} | {kinds} | {math.exp(nll / count):.3f} | {kl / count:.4f} |", flush=True)
 

@@ -150,8 +150,8 @@ def test_native_w4a8_product_rounds_each_block_of_64_values_to_int8(group):
 @needs_native
 def test_w4a8_is_used_only_when_asked_for():
     """``int4-a8`` rounds activations, so ``auto`` never picks it; asked for, it runs every W4
-    group (and a lossy int4 lm_head), its verify steps equal its one-token steps, and its tokens
-    follow the W4 model's."""
+    group (and a lossy int4 lm_head), its verify steps equal its one-token steps, and its logits
+    stay near the exact W4 kernel's."""
     model = tiny("llama", hidden=128).to(torch.bfloat16)
     compress_with(model, "  - rtn: {bits: 4, group_size: 64, symmetric: true}\n")
     prompt = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))

@@ -646,12 +646,9 @@ def choose(
     for name, layers in groups.items():
         if lossy and name in lossy:  # a lossy int4 on a CPU may run on either int4 kernel: the faster one
             native_fits = device.type == "cpu" and layers[0][0].in_features % 64 == 0 and native.available()
-            exact = (
-                ["int4-a8"]
-                if lossy[name] == "int4" and kernel == "int4-a8" and native_fits
-                else [lossy[name]]
-                + (["int4-avx2"] if lossy[name] == "int4" and kernel == "auto" and native_fits else [])
-            )
+            exact = [lossy[name]]
+            if lossy[name] == "int4" and native_fits and kernel in ("auto", "int4-a8"):
+                exact = ["int4-a8"] if kernel == "int4-a8" else ["int4", "int4-avx2"]
             if len(exact) == 1:
                 formats[name] = exact[0]
                 continue
