@@ -13,6 +13,9 @@ import torch
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 AUTO_GROUP_SIZES = (128, 64, 32)
+OBSERVERS = ("minmax", "mse")
+MSE_SHRINKS = [1 - i / 100 for i in range(21)]  # llm-compressor's grid (100 steps, at most 20% shrink)
+MSE_NORM = 2.4  # GPTQ's reference code and llm-compressor: between the squared and the largest error
 
 
 @dataclass(frozen=True)
@@ -27,12 +30,19 @@ class QuantScheme:
     # every dequantized weight is then the same number in our model, the compressed-tensors export
     # and the GGUF file (compress/gguf_export.py).
     fp16_scales: bool = False
+    # "minmax": a group's range is its weights' min and max; "mse": the range shrunk by the factor
+    # (1, 0.99, ..., 0.80) whose rounding error, summed as |error|^2.4, is smallest (GPTQ's
+    # reference code, llm-compressor's and GPTQModel's "mse" observer): clipping a few outliers
+    # buys finer steps for the rest
+    observer: str = "minmax"
 
     def __post_init__(self):
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
+        if self.observer not in OBSERVERS:
+            raise ValueError(f"observer must be one of {OBSERVERS}, got {self.observer!r}")
 
     @property
     def qmin(self) -> int:
@@ -59,7 +69,7 @@ class QuantScheme:
 
     def describe(self) -> str:
         g = "channel" if self.group_size == -1 else f"g{self.group_size}"
-        return f"W{self.bits} {g} {'sym' if self.symmetric else 'asym'}"
+        return f"W{self.bits} {g} {'sym' if self.symmetric else 'asym'}" + (" mse" if self.observer == "mse" else "")
 
 
 @dataclass
@@ -83,7 +93,8 @@ def resolve_group_size(group_size: int | str, in_features: list[int]) -> int:
 
 
 def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype):
-    """Min/max scale and zero-point per group of ``w`` (out, in) -> (out, groups) each.
+    """Scale and zero-point per group of ``w`` (out, in) -> (out, groups) each, from the group's
+    range: its min and max, or with ``scheme.observer == "mse"`` the shrunk range that rounds best.
 
     The scale is rounded to ``dtype`` (the storage dtype) here, so quantizing with
     it gives the integers that the exported checkpoint will dequantize.
@@ -93,6 +104,25 @@ def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype):
     wg = w.float().reshape(out_features, groups, -1)
     wmin = wg.amin(-1).clamp(max=0)
     wmax = wg.amax(-1).clamp(min=0)
+    if scheme.observer == "minmax":
+        return _range_qparams(wmin, wmax, scheme, dtype)
+    w = w.float()
+    best_error = best_scale = best_zero = None
+    for shrink in MSE_SHRINKS:
+        scale, zero = _range_qparams(wmin * shrink, wmax * shrink, scheme, dtype)
+        rounded = dequantize(quantize(w, scale, zero, scheme), scale, zero, torch.float32)
+        error = (rounded - w).reshape(wg.shape).abs().pow(MSE_NORM).sum(-1)
+        if best_error is None:
+            best_error, best_scale, best_zero = error, scale, zero
+            continue
+        better = error < best_error
+        best_error = torch.where(better, error, best_error)
+        best_scale, best_zero = torch.where(better, scale, best_scale), torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def _range_qparams(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype):
+    """Scale and zero-point that map [wmin, wmax] (wmin <= 0 <= wmax) onto the integer grid."""
     if scheme.symmetric:
         scale = torch.maximum(wmax, -wmin) / ((scheme.qmax - scheme.qmin) / 2)
     else:

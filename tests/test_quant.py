@@ -29,6 +29,29 @@ def test_more_bits_and_smaller_groups_lower_error():
     assert mse(4, 32) < mse(4, 128) < mse(4, -1)
 
 
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_mse_observer_rounds_no_worse_than_minmax(symmetric):
+    # heavy tails (Student's t, 3 degrees of freedom), as real weights have: clipping an outlier pays
+    torch.manual_seed(0)
+    w = torch.distributions.StudentT(3.0).sample((32, 256))
+
+    def group_errors(observer):
+        qw = quantize_weight(w, QuantScheme(4, 64, symmetric, observer=observer), torch.float32)
+        error = dequantize(qw.q, qw.scale, qw.zero_point, torch.float32) - w
+        return error.reshape(32, 4, 64).abs().pow(2.4).sum(-1), qw.scale
+
+    minmax, minmax_scale = group_errors("minmax")
+    mse, mse_scale = group_errors("mse")
+    assert (mse <= minmax).all()  # the unshrunk range is one of the candidates
+    assert mse.sum() < 0.95 * minmax.sum()
+    assert (mse_scale <= minmax_scale).all() and (mse_scale < minmax_scale).any()  # ranges only shrink
+
+
+def test_bad_observer_rejected():
+    with pytest.raises(ValueError, match="observer must be one of"):
+        QuantScheme(observer="percentile")
+
+
 def test_auto_group_size():
     assert resolve_group_size("auto", [576, 1536]) == 64  # SmolLM2
     assert resolve_group_size("auto", [640, 2048]) == 128  # Gemma-3-270M

@@ -737,7 +737,7 @@ def _compiled(engine: Engine):
             return runner(ids, positions, slots, engine.k_cache, engine.v_cache, rotary)
         # the inputs flattened as the package's call spec orders them (``_Step.forward``), handed to the
         # loader itself: the packaged model's ``__call__`` parses its call spec from JSON and walks
-        # the ~65 inputs with pytree on every call (~0.3 ms a step)
+        # the ~65 inputs with pytree on every call (0.05-0.1 ms of a 5.7 ms W4 step, timed side by side)
         tables = [t for pair in rotary for t in pair]
         return loader.boxed_run([ids, positions, slots, *engine.k_cache, *engine.v_cache, *tables])[0]
 

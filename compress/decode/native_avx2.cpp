@@ -43,9 +43,10 @@ inline __m256 sums8(const __m256* a) {
 }
 
 // Working memory that outlives a call: one buffer per thread and per use (``Use``), grown as needed,
-// so the ~150 products and attentions of a decode step do not each call malloc and free (a tenth of
-// a W4 step's time on a Zen 4). Inside a parallel region it is the running thread's buffer: take
-// the pointer where it is used, never through a lambda's capture from another thread.
+// so the ~150 products and attentions of a decode step do not each allocate and free their working
+// vectors (malloc showed in a profile of the W4 step). Inside a parallel region it is the running
+// thread's buffer: take the pointer where it is used, never through a lambda's capture from another
+// thread.
 template <typename T, int Use>
 T* scratch(size_t n) {
   thread_local std::vector<T> buffer;

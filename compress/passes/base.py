@@ -147,6 +147,8 @@ class QuantSpec(PassOptions):
     # Symmetric by default: transformers 5 + compressed-tensors 0.20 cannot reload asymmetric
     # pack-quantized checkpoints (vLLM can); see README "Known limits".
     symmetric: bool = True
+    # how a group's scale is chosen: its min/max, or the clipped range that rounds best (``quant``)
+    observer: Literal["minmax", "mse"] = "minmax"
 
     @field_validator("group_size")
     @classmethod
@@ -179,7 +181,7 @@ def resolve_scheme(spec: QuantSpec, widths: dict[str, int], where: str) -> Quant
                 f"{where}.group_size: {g} does not divide the input width of {_listed(bad)}; "
                 "use group_size: auto, -1, or a divisor of every width"
             )
-    scheme = QuantScheme(spec.bits, g, spec.symmetric)
+    scheme = QuantScheme(spec.bits, g, spec.symmetric, observer=spec.observer)
     if not scheme.symmetric:
         warnings.warn(
             f"{where}.symmetric: false exports zero-points that vLLM reads but transformers "
