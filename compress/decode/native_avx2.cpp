@@ -339,21 +339,27 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   auto out = at::empty({H, M, D}, q.options());
   const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const int64_t* pp = pc.data_ptr<int64_t>();
+  int64_t earliest = S, latest = 0;  // the slots any row attends to
   for (int64_t m = 0; m < M; ++m) {
     TORCH_CHECK(0 <= pp[m] && pp[m] < S, "attention: position ", pp[m], " outside the cache");
+    earliest = std::min(earliest, window > 0 ? std::max<int64_t>(0, pp[m] - window + 1) : 0);
+    latest = std::max(latest, pp[m]);
   }
   constexpr int64_t chunk = 64;
   const int64_t C = (S + chunk - 1) / chunk, groups = H / Hkv;
+  // the work is split over the chunks that hold attended slots only: over all of the cache's chunks
+  // (16 for 1,024 slots) the split gave one core twice the other's at 400 cached tokens
+  const int64_t c0 = earliest / chunk, used = latest / chunk + 1 - c0;
   const float scale = static_cast<float>(scaling);
   // per (head, row, chunk): the largest score, the sum of exp(score - largest), the unnormalised output
   float *top = scratch<float, 6>(H * M * C), *mass = scratch<float, 7>(H * M * C);
   float* partial = scratch<float, 8>(H * M * C * D);
   std::fill(top, top + H * M * C, -INFINITY);
   std::fill(mass, mass + H * M * C, 0.f);
-  at::parallel_for(0, Hkv * C, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, Hkv * used, 1, [&](int64_t begin, int64_t end) {
     alignas(32) float p[chunk];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t hk = item / C, c = item % C;
+      const int64_t hk = item / used, c = c0 + item % used;
       const float* kh = kp + hk * k.stride(0);
       const float* vh = vp + hk * v.stride(0);
       for (int64_t m = 0; m < M; ++m) {
