@@ -150,14 +150,15 @@ def test_native_w4a8_product_rounds_each_block_of_64_values_to_int8(group):
 @needs_native
 def test_w4a8_is_used_only_when_asked_for():
     """``int4-a8`` rounds activations, so ``auto`` never picks it; asked for, it runs every W4
-    group (and a lossy int4 lm_head), its verify steps equal its one-token steps, and its logits
-    stay near the exact W4 kernel's."""
+    group (and a lossy int4 lm_head) over a bf16 KV cache, its verify steps equal its one-token
+    steps, and its logits stay near the exact W4 kernel's."""
     model = tiny("llama", hidden=128).to(torch.bfloat16)
     compress_with(model, "  - rtn: {bits: 4, group_size: 64, symmetric: true}\n")
     prompt = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     assert "int4-a8" not in Engine(model).formats.values()
     a8 = Engine(model, kernel="int4-a8", lm_head="int4")
     assert set(a8.formats.values()) == {"int4-a8"}
+    assert a8.cache_dtype == torch.bfloat16 and a8.native_attention  # it rounds more than the cache does
     a8.forward(prompt[0, :20])
     one_by_one = torch.cat([a8.forward(prompt[0, i : i + 1]) for i in range(20, 24)])
     a8.crop(4)
@@ -175,11 +176,13 @@ def test_native_bf16_product_and_attention_compute_what_torch_computes():
     q = torch.randn(4, 3, 16, generator=generator)  # 4 heads over 2 KV heads, 3 rows
     k, v = torch.randn(2, 50, 16, generator=generator), torch.randn(2, 50, 16, generator=generator)
     positions = torch.tensor([20, 21, 22])
-    for window in (0, 8):
-        got = torch.ops.compress.decode_attention(q, k, v, positions, window, 0.25)
+    for window, cache in ((0, torch.float32), (8, torch.float32), (0, torch.bfloat16), (8, torch.bfloat16)):
+        # a bf16 cache (an int4-a8 engine's) is read as the fp32 values it holds
+        kc, vc = k.to(cache), v.to(cache)
+        got = torch.ops.compress.decode_attention(q, kc, vc, positions, window, 0.25)
         for m, last in enumerate(positions.tolist()):
             first = max(0, last - window + 1) if window else 0
-            keys, values = (t[:, first : last + 1].repeat_interleave(2, 0) for t in (k, v))
+            keys, values = (t[:, first : last + 1].float().repeat_interleave(2, 0) for t in (kc, vc))
             weights = torch.softmax(torch.einsum("hd,hsd->hs", q[:, m], keys) * 0.25, -1)
             torch.testing.assert_close(got[:, m], torch.einsum("hs,hsd->hd", weights, values), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="outside the cache"):

@@ -178,21 +178,21 @@ class Engine:
         self.dtype = dtype or (
             model.dtype if self.device.type != "cpu" else torch.bfloat16 if bf16_kernels else torch.float32
         )
-        # attention (and so the cache) in fp32 where bf16 arithmetic is emulated (an AVX2-only CPU):
-        # there the compiled step's bf16 SDPA for one row over ~330 slots took 352 us a layer, fp32 156-173
-        self.cache_dtype = (
-            torch.float32
-            if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not kernels.onednn_bf16_available()
-            else self.dtype
-        )
-        # one-row attention: ~60 us of SDPA's overhead a layer on such a CPU (``native``)
-        self.native_attention = (
-            self.device.type == "cpu"
-            and self.cache_dtype == torch.float32
-            and self.softcap_attn is None
-            and self.head_dim % 8 == 0
-            and native.available()
-        )
+        native_attention = self.device.type == "cpu" and self.softcap_attn is None and self.head_dim % 8 == 0
+        native_attention = native_attention and native.available()
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not kernels.onednn_bf16_available():
+            # attention (and so the cache) in fp32 where bf16 arithmetic is emulated (an AVX2-only CPU):
+            # there the compiled step's bf16 SDPA for one row over ~330 slots took 352 us a layer, fp32 156-173
+            self.cache_dtype = torch.float32
+        elif native_attention and any(map(kernels.rounds_rows, self.formats.values())):
+            # kernels that round their input rows to int8 lose more than a bf16 cache does; the cache's
+            # reads halve (18 MB a step at 400 cached tokens in fp32 for SmolLM2, about a sixth of a W4A8 step)
+            self.cache_dtype = torch.bfloat16
+        else:
+            self.cache_dtype = self.dtype
+        # one-row attention over an fp32 cache, or a bf16 one read by an fp32 stream: ~60 us of SDPA's
+        # overhead a layer on an AVX2 CPU (``native``)
+        self.native_attention = native_attention and torch.float32 in (self.cache_dtype, self.dtype)
         self.final_norm = _norm(inner.norm, self.dtype, gemma)
         self.lm_head = kernels.build(self.formats["lm_head"], head, self.device, traceable=compile)
         self.layers = []
@@ -548,7 +548,7 @@ class Engine:
         whole span (its exactness comes from padding every step to the same rows: ``_replay``).
         On an AVX2 CPU with an fp32 cache, steps run ``native``'s attention, row by row by design."""
         if self.native_attention and q.shape[1] <= kernels.VERIFY_ROWS:
-            return torch.ops.compress.decode_attention(q.to(k.dtype), k, v, positions, window or 0, self.scaling).to(
+            return torch.ops.compress.decode_attention(q.float(), k, v, positions, window or 0, self.scaling).to(
                 q.dtype
             )
         if mask is None or q.shape[1] == 1 or q.shape[1] > kernels.VERIFY_ROWS or static:
@@ -648,6 +648,7 @@ def _fingerprint(engine: Engine) -> str:
         machine.key(engine.device),
         str(engine.device),
         str(engine.dtype),
+        str(engine.cache_dtype),
         engine.step_rows,
         sorted(engine.formats.items()),
         engine.native_attention,

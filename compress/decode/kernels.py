@@ -449,6 +449,13 @@ def rows_ride_along(fmt: str) -> bool:
     return fmt in FLOAT_FORMATS and (fmt != "bf16" or onednn_bf16_available())
 
 
+def rounds_rows(fmt: str) -> bool:
+    """Whether the format rounds its input rows to int8 at decode time only (``int4-a8``; W8A8's
+    evaluation rounds them too, so its engine must keep what the export scored), so the engine's
+    tokens already differ from the model's by more than a bf16 KV cache changes them."""
+    return fmt in ASKED_ONLY
+
+
 def takes_bf16(fmt: str) -> bool:
     """Whether the format's kernel takes bf16 rows (so a bf16 residual stream needs no casts)."""
     return fmt in ("bf16", "int8", "int4")

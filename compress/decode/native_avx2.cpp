@@ -320,24 +320,30 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, co
   return w;
 }
 
+// Eight cache values as fp32: a bf16 value is the top half of its fp32 (a shift, exact).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+}
+
 // Attention of query rows over a KV cache: row m of q [H, M, D] attends to slots
 // [max(0, positions[m] - window + 1), positions[m]] of k and v [H / groups, slots, D] (window 0: from
 // slot 0). The work is split by KV head and chunk of 64 slots (split-K, as flash-decoding does): each
 // chunk's keys and values are read once for the query heads that share them, both cores get work
 // whatever the head count, and the chunks' partial softmaxes are merged at the end. Chunks are fixed
 // slot ranges and every row is computed alone, so a verify step's rows equal one-token steps exactly.
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            const at::Tensor& positions, int64_t window, double scaling) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "attention: float32 queries, keys and values");
+template <typename T>
+void decode_attention_body(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                           int64_t window, double scaling, at::Tensor& out) {
   const int64_t H = q.size(0), M = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
   TORCH_CHECK(D % 8 == 0 && H % Hkv == 0 && k.stride(2) == 1 && k.stride(1) == D && v.stride(2) == 1 &&
               v.stride(1) == D && v.size(1) == S, "attention: head size a multiple of 8, rows of k and v contiguous");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == M, "attention: one position per row");
   auto qc = q.contiguous();
   auto pc = positions.contiguous();
-  auto out = at::empty({H, M, D}, q.options());
-  const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float* qp = qc.data_ptr<float>();
+  const T *kp = k.data_ptr<T>(), *vp = v.data_ptr<T>();
   const int64_t* pp = pc.data_ptr<int64_t>();
   int64_t earliest = S, latest = 0;  // the slots any row attends to
   for (int64_t m = 0; m < M; ++m) {
@@ -360,8 +366,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
     alignas(32) float p[chunk];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t hk = item / used, c = c0 + item % used;
-      const float* kh = kp + hk * k.stride(0);
-      const float* vh = vp + hk * v.stride(0);
+      const T* kh = kp + hk * k.stride(0);
+      const T* vh = vp + hk * v.stride(0);
       for (int64_t m = 0; m < M; ++m) {
         const int64_t last = pp[m], first = window > 0 ? std::max<int64_t>(0, last - window + 1) : 0;
         const int64_t lo = std::max(first, c * chunk), hi = std::min(last + 1, (c + 1) * chunk);
@@ -372,7 +378,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
           // each FMA's latency: 3x slower); past ``hi`` the last slot again, its copies never used
           const int64_t n = hi - lo;
           for (int64_t s0 = 0; s0 < n; s0 += 8) {
-            const float* kr[8];
+            const T* kr[8];
             __m256 a[8];
             for (int j = 0; j < 8; ++j) {
               kr[j] = kh + (lo + std::min<int64_t>(s0 + j, n - 1)) * D;
@@ -380,7 +386,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
             }
             for (int64_t d = 0; d < D; d += 8) {
               const __m256 qd = _mm256_loadu_ps(qr + d);
-              for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kr[j] + d), a[j]);
+              for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qd, load8(kr[j] + d), a[j]);
             }
             _mm256_storeu_ps(p + s0, _mm256_mul_ps(sums8(a), _mm256_set1_ps(scale)));
           }
@@ -400,11 +406,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
             for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
             for (int64_t s = 0; s < n; ++s) {
               const __m256 w = _mm256_set1_ps(p[s]);
-              const float* vr = vh + (lo + s) * D + d0;
+              const T* vr = vh + (lo + s) * D + d0;
               if (width == 8) {
-                for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+                for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(w, load8(vr + 8 * j), acc[j]);
               } else {
-                for (int j = 0; j < width; ++j) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * j), acc[j]);
+                for (int j = 0; j < width; ++j) acc[j] = _mm256_fmadd_ps(w, load8(vr + 8 * j), acc[j]);
               }
             }
             for (int j = 0; j < width; ++j) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
@@ -431,6 +437,19 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
       for (int64_t d = 0; d < D; ++d) o[d] += f * part[d];
     }
     for (int64_t d = 0; d < D; ++d) o[d] /= total;
+  }
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
+                            int64_t window, double scaling) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == v.scalar_type() &&
+                  (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "attention: float32 queries, float32 or bf16 keys and values");
+  auto out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (k.scalar_type() == at::kBFloat16) {
+    decode_attention_body<at::BFloat16>(q, k, v, positions, window, scaling, out);
+  } else {
+    decode_attention_body<float>(q, k, v, positions, window, scaling, out);
   }
   return out;
 }
