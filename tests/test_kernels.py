@@ -120,7 +120,10 @@ def test_native_int4_product_computes_the_dequantized_weights(group):
     generator, u, scale, offset, packed = _random_w4(group)
     weight = u.float() * scale.repeat_interleave(group, 1) + offset.repeat_interleave(group, 1)
     # the compiler may fuse scale·u + offset into one FMA (one rounding, not two)
-    torch.testing.assert_close(torch.ops.compress.int4_dequantize(packed, scale, offset, group), weight)
+    dequantized = torch.ops.compress.int4_dequantize(packed, scale, offset, group)
+    torch.testing.assert_close(dequantized, weight)
+    # for a bf16 prompt GEMM: the same values, rounded as torch rounds them
+    assert torch.equal(torch.ops.compress.int4_dequantize(packed, scale, offset, group, True), dequantized.bfloat16())
     x = torch.randn(5, 256, generator=generator)
     product = torch.ops.compress.int4_matmul(x, packed, scale, offset, group)
     torch.testing.assert_close(product, x @ weight.T, atol=1e-4, rtol=1e-5)

@@ -116,8 +116,8 @@ def _register_shapes() -> None:
         return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake("compress::int4_dequantize")
-    def _(packed, scale, offset, group):
-        return scale.new_empty(packed.shape[0], packed.shape[1] * 8)
+    def _(packed, scale, offset, group, bf16=False):
+        return scale.new_empty(packed.shape[0], packed.shape[1] * 8, dtype=torch.bfloat16 if bf16 else scale.dtype)
 
     @torch.library.register_fake("compress::decode_attention")
     def _(q, k, v, positions, window, scaling):

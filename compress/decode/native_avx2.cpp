@@ -294,16 +294,26 @@ at::Tensor int4_matmul_a8(const at::Tensor& x, const at::Tensor& packed, const a
   return y;
 }
 
-// The float32 weights of int4_matmul's layout [N, K], for products over many rows (prompts).
+// Eight fp32 values rounded to bf16 (to nearest, ties to even, as torch rounds; no NaN comes here).
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i tie = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i top = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), tie)), 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1));
+}
+
+// The weights of int4_matmul's layout [N, K], for products over many rows (prompts): float32, or
+// bf16 (``bf16``: the fp32 values rounded, for a bf16 GEMM, without writing and reading them in fp32).
 at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset,
-                           int64_t group) {
+                           int64_t group, bool bf16) {
   const int64_t N = packed.size(0), K = packed.size(1) * 8, G = K / group;
   TORCH_CHECK(packed.scalar_type() == at::kInt && packed.is_contiguous() && scale.is_contiguous() &&
               offset.is_contiguous() && scale.size(1) == G, "packed int32, scale and offset [out, groups]");
-  auto w = at::empty({N, K}, scale.options());
+  auto w = at::empty({N, K}, scale.options().dtype(bf16 ? at::kBFloat16 : at::kFloat));
   const int32_t* wp = packed.data_ptr<int32_t>();
   const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
-  float* out = w.data_ptr<float>();
+  float* out = bf16 ? nullptr : w.data_ptr<float>();
+  at::BFloat16* out16 = bf16 ? w.data_ptr<at::BFloat16>() : nullptr;
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     const __m256i low = _mm256_set1_epi32(0x0F);
     for (int64_t n = begin; n < end; ++n) {
@@ -312,7 +322,12 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, co
         for (int j = 0; j < 8; ++j) {
           const int64_t k = blk * 64 + 8 * j, g = n * G + k / group;
           const __m256 u = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(b, 4 * j), low));
-          _mm256_storeu_ps(out + n * K + k, _mm256_fmadd_ps(u, _mm256_set1_ps(sp[g]), _mm256_set1_ps(op[g])));
+          const __m256 value = _mm256_fmadd_ps(u, _mm256_set1_ps(sp[g]), _mm256_set1_ps(op[g]));
+          if (bf16) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(out16 + n * K + k), to_bf16(value));
+          } else {
+            _mm256_storeu_ps(out + n * K + k, value);
+          }
         }
       }
     }
@@ -458,7 +473,7 @@ TORCH_LIBRARY(compress, m) {
   m.def("bf16_matmul(Tensor x, Tensor w) -> Tensor");
   m.def("int4_matmul(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("int4_matmul_a8(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
-  m.def("int4_dequantize(Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
+  m.def("int4_dequantize(Tensor packed, Tensor scale, Tensor offset, int group, bool bf16=False) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scaling) -> Tensor");
 }
 
