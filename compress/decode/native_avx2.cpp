@@ -368,8 +368,9 @@ void decode_attention_body(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   constexpr int64_t chunk = 64;
   const int64_t C = (S + chunk - 1) / chunk, groups = H / Hkv;
-  // the work is split over the chunks that hold attended slots only: over all of the cache's chunks
-  // (16 for 1,024 slots) the split gave one core twice the other's at 400 cached tokens
+  // the work is split over the chunks that hold attended slots only: a sliding-window layer (Gemma-3's
+  // 512 slots) attends to the last chunks of a longer span, and a split over all of them gave one
+  // core most of the work
   const int64_t c0 = earliest / chunk, used = latest / chunk + 1 - c0;
   const float scale = static_cast<float>(scaling);
   // per (head, row, chunk): the largest score, the sum of exp(score - largest), the unnormalised output
