@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from . import data, distributed, export, gguf_export, kv_quant, memory, models, resume
+from . import data, distributed, export, gguf_export, kv_quant, machine, memory, models, resume
 from .evaluate import evaluate, windows_of
-from .passes import ModelPass
+from .passes import ModelPass, RecipeError
 from .pipeline import activation_store, run_passes
 from .recipe import Recipe
 
@@ -63,6 +63,7 @@ def apply(
     spill: str | Path | None = None,
     resume_run: bool = False,
     keep_blocks: bool = True,
+    calibration_dtype: str | None = None,
 ) -> Report | None:
     """Read the model a block at a time, compress each block and write it to the export at once,
     then evaluate the export against the original, again a block at a time. ``spill``: a folder
@@ -71,6 +72,7 @@ def apply(
     ``keep_blocks=False``); ``resume_run`` reads them back after a killed run instead of
     compressing them again. ``dtype`` (the storage dtype) defaults to bfloat16, and to float32 for
     a recipe that exports GGUF, whose weights must be the very numbers llama.cpp computes with.
+    ``calibration_dtype`` overrides the recipe's ``calibration.dtype`` (what the blocks compute in).
 
     Under torchrun every rank calls this: each calibrates and evaluates on its share of the
     samples and windows (``compress/distributed.py``), rank 0 alone writes the export and returns
@@ -100,6 +102,8 @@ def apply(
     model, tokenizer = loaded.model, loaded.tokenizer
     for p in recipe.passes:
         p.check(model.model)  # shapes, group sizes, patterns: before any compute
+    calibration_dtype = calibration_dtype or recipe.calibration.dtype
+    compute = _calibration_dtype(calibration_dtype, dev)
     if gguf is not None and (problem := gguf_export.family_problem(model.model.config.model_type)):
         raise gguf_export.GGUFError(problem)
     ev = recipe.evaluation
@@ -144,6 +148,7 @@ def apply(
             "samples": n_samples,
             "dtype": dtype,
             "device": dev.type,
+            "calibration_dtype": calibration_dtype,
         }
         checkpoints = resume.BlockCheckpoints(out, key, resume_run)
     if whole:
@@ -178,6 +183,7 @@ def apply(
             checkpoints=checkpoints if keep_blocks else None,
             min_expert_tokens=recipe.calibration.min_expert_tokens,
             route_all_experts=recipe.calibration.route_all_experts,
+            compute=compute,
         )
         if not main:  # the other ranks' part: their share of the evaluation windows
             if eval_data is not None:
@@ -246,6 +252,18 @@ def apply(
     if checkpoints is not None:
         checkpoints.remove()
     return report
+
+
+def _calibration_dtype(name: str, device: torch.device) -> torch.dtype | None:
+    """The recipe's ``calibration.dtype`` (None: the device's default)."""
+    if name == "auto":
+        return None
+    if name == "bfloat16" and device.type == "cpu" and not machine.bf16_arithmetic():
+        raise RecipeError(
+            "calibration dtype bfloat16: this CPU has no AVX512-BF16 or AMX, so bf16 is emulated, several "
+            "times slower than float32; use auto"
+        )
+    return models.parse_dtype(name)
 
 
 def _shared(path) -> str:

@@ -30,6 +30,12 @@ def cpu_flags() -> set[str]:
     return set(_cpuinfo("flags").split())
 
 
+def bf16_arithmetic() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX); elsewhere torch emulates
+    it, several times slower than float32."""
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
 def describe() -> str:
     """e.g. ``AMD EPYC 7B13 (avx2), 2 threads, no GPU, torch 2.13.0+cpu``."""
     isa = " ".join(f for f in ISA if f in cpu_flags()) or "no AVX2"

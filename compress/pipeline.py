@@ -382,11 +382,12 @@ def run_sequential(
     checkpoints: BlockCheckpoints | None = None,
     min_expert_tokens: int = MIN_EXPERT_TOKENS,
     route_all_experts: bool = False,
+    compute: torch.dtype | None = None,
 ) -> None:
     """Apply layer-passes block by block over a ``StreamedModel``. ``ids`` is None when no pass needs data.
 
-    Each block is read (if it is not in memory), computes in the device's compute dtype
-    (float32 on the CPU), goes back to the CPU in the storage dtype when its passes are done,
+    Each block is read (if it is not in memory), computes in ``compute`` (default: the device's
+    compute dtype, float32 on the CPU), goes back to the CPU in the storage dtype when its passes are done,
     is handed to ``on_block`` (the export writes it) and is freed, unless ``keep``. ``store``
     makes the lists that hold calibration activations (``activation_store``). ``checkpoints``
     keeps each finished block, and the first ``checkpoints.resumable`` blocks are read back
@@ -396,7 +397,7 @@ def run_sequential(
     """
     model = streamed(model)
     storage = model.dtype
-    dtype = compute_dtype(device, storage)
+    dtype = compute or compute_dtype(device, storage)
     if ids is not None:
         mine = distributed.share(len(ids))  # several processes: each calibrates on its own samples
         ids = ids[mine.start : mine.stop]
@@ -484,11 +485,13 @@ def run_passes(
     checkpoints: BlockCheckpoints | None = None,
     min_expert_tokens: int = MIN_EXPERT_TOKENS,
     route_all_experts: bool = False,
+    compute: torch.dtype | None = None,
 ) -> torch.nn.Module | None:
     """The block sweep over the layer-passes, then the model passes (recovery training), which
     train the whole model (``model.load_all()`` first) against the original model from
     ``load_teacher()``; returns that teacher, if loaded. ``on_block`` sees each block once final;
-    ``store``, ``checkpoints``: see ``run_sequential`` (a resumed run trains again from the start)."""
+    ``store``, ``checkpoints``, ``compute``: see ``run_sequential`` (a resumed run trains again from
+    the start)."""
     from .passes import ModelPass
 
     model = streamed(model)
@@ -505,6 +508,7 @@ def run_passes(
         checkpoints=checkpoints,
         min_expert_tokens=min_expert_tokens,
         route_all_experts=route_all_experts,
+        compute=compute,
     )
     if not model_passes:
         return None

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import tiny
 
+from compress import machine
 from compress.cli import main
 from compress.export import MANIFEST
 
@@ -314,6 +315,22 @@ def test_bad_input_gets_one_line_and_changes_nothing(case, model_folder, tmp_pat
     assert len(lines) == 1 and "Traceback" not in err, err
     assert words in lines[0], lines[0]
     assert _snapshot(tmp_path) == before and _snapshot(model_folder) == models_before
+
+
+def test_bf16_calibration_is_refused_where_the_cpu_emulates_bf16(model_folder, tmp_path, monkeypatch, capsys):
+    """bf16 calibration (the recipe's ``calibration.dtype`` or ``--calibration-dtype``) on a CPU
+    without AVX512-BF16 or AMX (this one pretends): one line that says to use auto, exit 2, nothing
+    written."""
+    monkeypatch.setattr(machine, "bf16_arithmetic", lambda: False)
+    monkeypatch.chdir(tmp_path)
+    in_recipe = DATA_RECIPE.replace("seqlen: 16}}", "seqlen: 16, dtype: bfloat16}}").format("wikitext2")
+    for recipe, flags in ((in_recipe, ()), (DATA_RECIPE.format("wikitext2"), ("--calibration-dtype", "bfloat16"))):
+        argv = _apply(tmp_path, model_folder, *flags, recipe=recipe)
+        before = _snapshot(tmp_path)
+        assert main(argv) == 2
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("compress: ")]
+        assert len(lines) == 1 and "bfloat16" in lines[0] and "use auto" in lines[0], lines
+        assert _snapshot(tmp_path) == before
 
 
 def test_there_are_sixty_cases_or_more():

@@ -33,6 +33,20 @@ def test_block_sweep_reproduces_the_model(model_type):
         torch.testing.assert_close(seen, hidden[i].reshape(-1, *hidden[i].shape[1:]), rtol=1e-5, atol=1e-5)
 
 
+def test_a_bf16_sweep_computes_in_bf16_and_stores_as_before():
+    """``calibration.dtype: bfloat16``: the blocks compute in bf16 (their inputs arrive in bf16, within
+    bf16's rounding of the float32 sweep's) and go back to the storage dtype."""
+    model = tiny("llama").to(torch.bfloat16)
+    ids = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(0))
+    in_bf16, in_fp32 = _Record(), _Record()
+    run_sequential(model, ids, [in_bf16], torch.device("cpu"), compute=torch.bfloat16)
+    run_sequential(model, ids, [in_fp32], torch.device("cpu"))
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    for a, b in zip(in_bf16.seen, in_fp32.seen):
+        assert a.dtype == torch.bfloat16 and b.dtype == torch.float32
+        torch.testing.assert_close(a.float(), b, atol=0.05, rtol=0.02)
+
+
 def test_rtn_quantizes_every_block_linear_but_lm_head():
     model = tiny("llama")
     compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n")

@@ -20,6 +20,10 @@ from tests.conftest import tiny
         ("model: x\n", "passes: Field required"),
         ("passes:\n  - rtn: {}\ncalibration: {samples: -1}\n", "calibration.samples"),
         ("evaluation: {windows: 0}\npasses:\n  - rtn: {}\n", "evaluation.windows"),
+        (
+            "passes:\n  - rtn: {}\ncalibration: {dtype: fp16}\n",
+            "calibration.dtype: Input should be 'auto', 'float32' or 'bfloat16'",
+        ),
         ("- just a list\n", "a recipe is a YAML mapping"),
     ],
 )

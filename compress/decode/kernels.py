@@ -128,7 +128,7 @@ def bf16_arithmetic() -> bool:
     prompt's bf16 GEMM is 2–3.5× faster than fp32's (300 rows on a Zen 4: 576→3072 in 3.0 ms
     against 11.6 with the weights upcast); elsewhere bf16 is emulated and fp32 is faster (AVX2 EPYC:
     7.7 ms against 59)."""
-    return bool({"avx512_bf16", "amx_bf16"} & machine.cpu_flags()) and onednn_bf16_available()
+    return machine.bf16_arithmetic() and onednn_bf16_available()
 
 
 def prompt_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
