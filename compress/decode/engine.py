@@ -178,8 +178,9 @@ class Engine:
         self.dtype = dtype or (
             model.dtype if self.device.type != "cpu" else torch.bfloat16 if bf16_kernels else torch.float32
         )
-        native_attention = self.device.type == "cpu" and self.softcap_attn is None and self.head_dim % 8 == 0
-        native_attention = native_attention and native.available()
+        native_attention = (
+            self.device.type == "cpu" and self.softcap_attn is None and self.head_dim % 8 == 0 and native.available()
+        )
         if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not kernels.onednn_bf16_available():
             # attention (and so the cache) in fp32 where bf16 arithmetic is emulated (an AVX2-only CPU):
             # there the compiled step's bf16 SDPA for one row over ~330 slots took 352 us a layer, fp32 156-173
@@ -546,7 +547,8 @@ class Engine:
         speculation must give the tokens plain greedy gives. Longer inputs (prompts) are one call.
         ``static``: a fixed-shape step (compiled, or a CUDA graph), one masked call over the
         whole span (its exactness comes from padding every step to the same rows: ``_replay``).
-        On an AVX2 CPU with an fp32 cache, steps run ``native``'s attention, row by row by design."""
+        On a CPU with an fp32 cache (or a bf16 one read by an fp32 stream: ``int4-a8``), steps run
+        ``native``'s attention, row by row by design."""
         if self.native_attention and q.shape[1] <= kernels.VERIFY_ROWS:
             return torch.ops.compress.decode_attention(q.float(), k, v, positions, window or 0, self.scaling).to(
                 q.dtype

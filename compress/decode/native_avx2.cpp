@@ -348,6 +348,7 @@ inline __m256 load8(const at::BFloat16* p) {
 // chunk's keys and values are read once for the query heads that share them, both cores get work
 // whatever the head count, and the chunks' partial softmaxes are merged at the end. Chunks are fixed
 // slot ranges and every row is computed alone, so a verify step's rows equal one-token steps exactly.
+// Keys and values are float32 or bf16 (an int4-a8 engine's cache), read as float32.
 template <typename T>
 void decode_attention_body(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
                            int64_t window, double scaling, at::Tensor& out) {
