@@ -3,8 +3,8 @@
     python scripts/bench_kernel_accuracy.py [--model smollm2-135m] [--windows 4] [--seqlen 512]
 
 The evaluation scores the weights an export holds; the decoder computes them with a kernel, and
-a lossy kernel (``int4-a8`` rounds each step's activations to int8, an int4 lm_head rounds the
-output layer) changes what it computes. Here wikitext-2 test windows are fed through the engine
+a lossy kernel (``int4-a8`` rounds each step's activations to int8, ``int4-a16`` to 16 bits, an
+int4 lm_head rounds the output layer) changes what it computes. Here wikitext-2 test windows are fed through the engine
 in verify steps of 16 tokens (each row is computed as a one-token step computes it), and the
 next-token log-likelihoods give a perplexity per format, and the KL to the dense engine's
 distribution. W4 rows round the model's linears in memory (RTN, symmetric, group 128/64), so
@@ -54,6 +54,8 @@ def main() -> None:
         "dense (auto)": dict(),
         "W4 (RTN in memory), int4-avx2": dict(quantize="w4", kernel="int4-avx2"),
         "W4, int4-avx2 + int4 lm_head": dict(quantize="w4", kernel="int4-avx2", lm_head="int4"),
+        "W4A16, int4-a16": dict(quantize="w4", kernel="int4-a16"),
+        "W4A16, int4-a16 + int4 lm_head": dict(quantize="w4", kernel="int4-a16", lm_head="int4"),
         "W4A8, int4-a8": dict(quantize="w4", kernel="int4-a8"),
         "W4A8, int4-a8 + int4 lm_head": dict(quantize="w4", kernel="int4-a8", lm_head="int4"),
     }

@@ -133,21 +133,28 @@ def test_native_int4_product_computes_the_dequantized_weights(group):
 
 @needs_native
 @pytest.mark.parametrize("group", [64, 128])
-def test_native_w4a8_product_rounds_each_block_of_64_values_to_int8(group):
+@pytest.mark.parametrize("op, limit", [("int4_matmul_a8", 127), ("int4_matmul_a16", 32639)])
+def test_native_w4aq_product_rounds_each_block_of_64_values(group, op, limit):
+    """W4A8 rounds a block of 64 values to int8 (max|x| / 127 a step), W4A16 to max|x| / 32639
+    (two int8 parts a value); the integer products are exact, the offset term meets the unrounded
+    values."""
     generator, u, scale, offset, packed = _random_w4(group)
     x = torch.randn(5, 256, generator=generator)
     x[1, 64:128] = 0  # a block of zeros: scale 0, no division by it
     blocks = x.reshape(5, 4, 64)
-    step = blocks.abs().amax(-1, keepdim=True) / 127
+    step = blocks.abs().amax(-1, keepdim=True) / limit
     rounded = (torch.round(blocks / step.clamp(min=1e-30)) * step).reshape(5, 256)  # ties to even, as the kernel
-    # the integer products are exact; the offset term meets the unrounded values
     expected = rounded @ (u.float() * scale.repeat_interleave(group, 1)).T + x @ offset.repeat_interleave(group, 1).T
-    product = torch.ops.compress.int4_matmul_a8(x, packed, scale, offset, group)
+    product = getattr(torch.ops.compress, op)(x, packed, scale, offset, group)
     torch.testing.assert_close(product, expected, atol=1e-4, rtol=1e-5)
-    rows = torch.cat([torch.ops.compress.int4_matmul_a8(row, packed, scale, offset, group) for row in x.split(1)])
+    rows = torch.cat([getattr(torch.ops.compress, op)(row, packed, scale, offset, group) for row in x.split(1)])
     assert torch.equal(product, rows)  # each row alone: verify steps equal one-token steps
     with pytest.raises(RuntimeError, match="groups of 64k"):
-        torch.ops.compress.int4_matmul_a8(x, packed, torch.zeros(48, 8), torch.zeros(48, 8), 32)
+        getattr(torch.ops.compress, op)(x, packed, torch.zeros(48, 8), torch.zeros(48, 8), 32)
+    if op == "int4_matmul_a16":  # finer than bf16 rows, what torch's int4 kernel is fed
+        weight = u.double() * scale.double().repeat_interleave(group, 1) + offset.double().repeat_interleave(group, 1)
+        exact, bf16 = x.double() @ weight.T, x.bfloat16().double() @ weight.T
+        assert (product.double() - exact).abs().max() < (bf16 - exact).abs().max() / 20
 
 
 @needs_native
@@ -202,7 +209,11 @@ def test_engine_on_native_kernels_decodes_as_on_torch_kernels():
     ours = Engine(model, kernel="int4-avx2")
     assert {ours.formats[g] for g in ("qkv", "o", "gate_up", "down")} == {"int4-avx2"}
     assert ours.native_attention and ours.dtype == torch.float32
-    assert greedy(ours, prompt, 16).tokens == greedy(Engine(model, kernel="fp32"), prompt, 16).tokens
+    expected = greedy(Engine(model, kernel="fp32"), prompt, 16).tokens
+    assert greedy(ours, prompt, 16).tokens == expected
+    a16 = Engine(model, kernel="int4-a16")
+    assert {a16.formats[g] for g in ("qkv", "o", "gate_up", "down")} == {"int4-a16"}
+    assert a16.cache_dtype == torch.float32 and greedy(a16, prompt, 16).tokens == expected
     ours.reset()
     ours.forward(prompt[0, :20])
     one_by_one = torch.cat([ours.forward(prompt[0, i : i + 1]) for i in range(20, 24)])

@@ -5,7 +5,7 @@ fp32 (MKL), fp32 or bf16 prepacked for oneDNN (bf16 on aten where oneDNN takes n
 CPUs), int8 weight-only (``_weight_int8pack_mm``),
 torch's packed-int4 CPU kernel (``_weight_int4pack_mm_for_cpu``, tinygemm's layout: ``u = q + 8``,
 ``zero = −z·scale``, so it computes exactly the weights we evaluate), our own AVX2 kernels for bf16
-and W4 weights (``native``: ``bf16-avx2``, ``int4-avx2``), or W8A8 on ``torch._int_mm``
+and W4 weights (``native``: ``bf16-avx2``, ``int4-avx2``, ``int4-a16``), or W8A8 on ``torch._int_mm``
 (each row rounded to int8 with its own scale ``max|x| / 127.5``, as compressed-tensors and our
 evaluation do). On a GPU: the model's dtype, or tinygemm's CUDA int4 kernel
 (``_weight_int4pack_mm``, same dequantization, its own packing) for W4 groups.
@@ -203,7 +203,7 @@ def attach_from_export(model: nn.Module, folder: str | Path) -> int:
 # what the weights are: a format is offered only where it holds them exactly, unless a lossy
 # one is asked for (a W4 draft, a quantized lm_head).
 
-FORMATS = ("fp32", "fp32-onednn", "bf16", "bf16-avx2", "int8", "int4", "int4-avx2", "int4-a8", "w8a8")
+FORMATS = ("fp32", "fp32-onednn", "bf16", "bf16-avx2", "int8", "int4", "int4-avx2", "int4-a16", "int4-a8", "w8a8")
 ASKED_ONLY = ("int4-a8",)  # lossy in the activations: never chosen by ``auto``
 FLOAT_FORMATS = ("fp32", "fp32-onednn", "bf16")  # GEMMs: a few more rows cost little (integer kernels: per row)
 VERIFY_ROWS = 16  # inputs up to this many rows are speculative verify steps (longer ones: prompts)
@@ -369,20 +369,31 @@ class NativeInt4(Matmul):
         return torch.ops.compress.int4_matmul(x.contiguous(), self.packed, self.scale, self.offset, self.group_size)
 
 
-class NativeInt4A8(NativeInt4):
-    """``NativeInt4``'s weights times one-to-few rows rounded to int8 per block of 64 (W4A8, as
-    llama.cpp's Q4 × Q8 products): integer dot products (VNNI where the CPU has it) cost a
-    fraction of the float ones, so the product streams its weights near the memory's rate
-    (a 576→49152 lm_head on a Zen 4: 0.34 ms against 0.85 for ``int4-avx2`` and 1.57 for bf16).
-    Lossy in the activations (about 1% of a product's size), so used only when asked for by
-    name; prompts dequantize for a float GEMM as ``NativeInt4`` does."""
+class NativeInt4A16(NativeInt4):
+    """``NativeInt4``'s weights times one-to-few rows rounded to 16 bits per block of 64 (each value
+    within 2^-16 of its block's largest: finer than bf16 rounds a row for torch's int4 kernel),
+    multiplied as two int8 parts on integer dot products (VNNI where the CPU has it): about 1.5×
+    ``int4-avx2``'s speed on a Zen 4, within 15% of ``int4-a8``'s. Groups of 64k weights; prompts
+    dequantize for a float GEMM as ``NativeInt4`` does."""
 
-    fmt = "int4-a8"
+    fmt, op = "int4-a16", "int4_matmul_a16"
 
     def matmul(self, x):
         if x.shape[0] > VERIFY_ROWS:
             return super().matmul(x)
-        return torch.ops.compress.int4_matmul_a8(x.contiguous(), self.packed, self.scale, self.offset, self.group_size)
+        return getattr(torch.ops.compress, self.op)(
+            x.contiguous(), self.packed, self.scale, self.offset, self.group_size
+        )
+
+
+class NativeInt4A8(NativeInt4A16):
+    """``NativeInt4A16`` with rows rounded to int8 per block of 64 (W4A8, as llama.cpp's Q4 × Q8
+    products): one integer product a block instead of two, so the product streams its weights near
+    the memory's rate (a 576→49152 lm_head on a Zen 4: 0.34 ms against 0.85 for ``int4-avx2`` and
+    1.57 for bf16). Lossy in the activations (about 1% of a product's size), so used only when
+    asked for by name."""
+
+    fmt, op = "int4-a8", "int4_matmul_a8"
 
 
 class Int4CUDA(Matmul):
@@ -495,7 +506,7 @@ def exact_formats(linears: list, device: torch.device) -> list[str]:
     if native.available():
         found += ["bf16-avx2"] if "bf16" in found and linears[0].in_features % 16 == 0 else []
         found += ["int4-avx2"] if _native_int4_fits(linears) else []
-        found += ["int4-a8"] if _native_int4_fits(linears, a8=True) else []
+        found += ["int4-a16", "int4-a8"] if _native_int4_fits(linears, a8=True) else []
     return found
 
 
@@ -546,10 +557,12 @@ def build(fmt: str, linears: list, device: torch.device, traceable: bool = False
     ]
     if fmt == "int8":
         return Int8(torch.cat([qw.q for qw in qws]), torch.cat([qw.scale for qw in qws]), bias)
-    if fmt in ("int4", "int4-avx2", "int4-a8"):
+    if fmt in ("int4", "int4-avx2", "int4-a16", "int4-a8"):
         q, scale, zero = (torch.cat([getattr(qw, part) for qw in qws]) for part in ("q", "scale", "zero_point"))
         if fmt != "int4":
-            return (NativeInt4A8 if fmt == "int4-a8" else NativeInt4)(q, scale, zero, bias)
+            return {"int4-avx2": NativeInt4, "int4-a16": NativeInt4A16, "int4-a8": NativeInt4A8}[fmt](
+                q, scale, zero, bias
+            )
         if device.type == "cuda":
             return Int4CUDA(q, scale, zero, bias, device)
         return Int4(q, scale, zero, bias)
@@ -564,7 +577,7 @@ _LOSSY = {
     "int8": lambda lin: QuantScheme(8, -1, True),
     "int4": lambda lin: QuantScheme(4, _int4_group(lin), True),
 }
-_LOSSY["int4-avx2"] = _LOSSY["int4-a8"] = _LOSSY["int4"]  # the same integers, in our kernel's layout
+_LOSSY["int4-avx2"] = _LOSSY["int4-a16"] = _LOSSY["int4-a8"] = _LOSSY["int4"]  # the same integers, our layout
 
 
 def rtn_w4(linear: nn.Linear) -> nn.Linear:
@@ -659,7 +672,7 @@ def choose(
             native_fits = device.type == "cpu" and layers[0][0].in_features % 64 == 0 and native.available()
             exact = [lossy[name]]
             if lossy[name] == "int4" and native_fits and kernel in ("auto", "int4-a8"):
-                exact = ["int4-a8"] if kernel == "int4-a8" else ["int4", "int4-avx2"]
+                exact = ["int4-a8"] if kernel == "int4-a8" else ["int4", "int4-avx2", "int4-a16"]
             if len(exact) == 1:
                 formats[name] = exact[0]
                 continue

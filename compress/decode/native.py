@@ -30,7 +30,7 @@ from .. import machine
 from ..models import cache_dir
 
 SOURCE = Path(__file__).with_name("native_avx2.cpp")
-FORMATS = ("bf16-avx2", "int4-avx2", "int4-a8")  # the weight formats (``kernels``) these kernels compute
+FORMATS = ("bf16-avx2", "int4-avx2", "int4-a16", "int4-a8")  # the weight formats (``kernels``) these kernels compute
 
 
 def _compiler() -> str | None:
@@ -111,9 +111,11 @@ def _register_shapes() -> None:
     def _(x, packed, scale, offset, group):
         return x.new_empty(x.shape[0], packed.shape[0])
 
-    @torch.library.register_fake("compress::int4_matmul_a8")
-    def _(x, packed, scale, offset, group):
-        return x.new_empty(x.shape[0], packed.shape[0])
+    for op in ("int4_matmul_a8", "int4_matmul_a16"):
+
+        @torch.library.register_fake(f"compress::{op}")
+        def _(x, packed, scale, offset, group):
+            return x.new_empty(x.shape[0], packed.shape[0])
 
     @torch.library.register_fake("compress::int4_dequantize")
     def _(packed, scale, offset, group, bf16=False):

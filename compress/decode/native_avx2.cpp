@@ -127,7 +127,59 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& w) {
 // y[m, n] = sum_g scale[n, g] * dot(x[m, g], u[n, g]) + offset[n, g] * sum(x[m, g]).
 // Nibble j is masked in place (u * 16^j, exact in fp32) and met by x / 16^j (a power of two: exact),
 // so a weight costs a mask, a conversion and an FMA; nibble 7 is shifted down (its mask would set the
-// sign bit).
+// sign bit). One output: one row of weights read front to back, prefetched 4 KB ahead (as w4a8_row).
+inline float w4_row(const int32_t* row, const float* srow, const float* orow, int64_t K, int64_t G, int64_t group,
+                    const float* xs, const float* sums) {
+  __m256i masks[7];
+  for (int j = 0; j < 7; ++j) masks[j] = _mm256_set1_epi32(0xF << (4 * j));
+  __m256 total = _mm256_setzero_ps();
+  float extra = 0.f;
+  for (int64_t g = 0; g < G; ++g) extra += orow[g] * sums[g];
+#define NIBBLE(j) _mm256_cvtepi32_ps((j) == 7 ? _mm256_srli_epi32(b, 28) : _mm256_and_si256(b, masks[(j) % 7]))
+  if (group == 32) {
+    for (int64_t blk = 0; blk < K / 64; ++blk) {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + blk * 8));
+      _mm_prefetch(reinterpret_cast<const char*>(row + blk * 8) + 4096, _MM_HINT_T0);
+      const float* xb = xs + blk * 64;
+      __m256 a0 = _mm256_mul_ps(NIBBLE(0), _mm256_loadu_ps(xb));
+      __m256 a1 = _mm256_mul_ps(NIBBLE(1), _mm256_loadu_ps(xb + 8));
+      __m256 c0 = _mm256_mul_ps(NIBBLE(4), _mm256_loadu_ps(xb + 32));
+      __m256 c1 = _mm256_mul_ps(NIBBLE(5), _mm256_loadu_ps(xb + 40));
+      a0 = _mm256_fmadd_ps(NIBBLE(2), _mm256_loadu_ps(xb + 16), a0);
+      a1 = _mm256_fmadd_ps(NIBBLE(3), _mm256_loadu_ps(xb + 24), a1);
+      c0 = _mm256_fmadd_ps(NIBBLE(6), _mm256_loadu_ps(xb + 48), c0);
+      c1 = _mm256_fmadd_ps(NIBBLE(7), _mm256_loadu_ps(xb + 56), c1);
+      total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(srow[2 * blk]), total);
+      total = _mm256_fmadd_ps(_mm256_add_ps(c0, c1), _mm256_set1_ps(srow[2 * blk + 1]), total);
+    }
+  } else {
+    const int64_t per = group / 64;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t blk = g * per; blk < (g + 1) * per; ++blk) {
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + blk * 8));
+        _mm_prefetch(reinterpret_cast<const char*>(row + blk * 8) + 4096, _MM_HINT_T0);
+        const float* xb = xs + blk * 64;
+        a0 = _mm256_fmadd_ps(NIBBLE(0), _mm256_loadu_ps(xb), a0);
+        a1 = _mm256_fmadd_ps(NIBBLE(1), _mm256_loadu_ps(xb + 8), a1);
+        a2 = _mm256_fmadd_ps(NIBBLE(2), _mm256_loadu_ps(xb + 16), a2);
+        a3 = _mm256_fmadd_ps(NIBBLE(3), _mm256_loadu_ps(xb + 24), a3);
+        a0 = _mm256_fmadd_ps(NIBBLE(4), _mm256_loadu_ps(xb + 32), a0);
+        a1 = _mm256_fmadd_ps(NIBBLE(5), _mm256_loadu_ps(xb + 40), a1);
+        a2 = _mm256_fmadd_ps(NIBBLE(6), _mm256_loadu_ps(xb + 48), a2);
+        a3 = _mm256_fmadd_ps(NIBBLE(7), _mm256_loadu_ps(xb + 56), a3);
+      }
+      __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+      total = _mm256_fmadd_ps(sum, _mm256_set1_ps(srow[g]), total);
+    }
+  }
+#undef NIBBLE
+  return hsum(total) + extra;
+}
+
+// The products of w4_row for rows x; each row's group sums and x / 16^j are prepared once, before
+// the outputs are split between the threads (prepared inside, by every thread, they took about as
+// long as the products on two threads).
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const at::Tensor& offset, int64_t group) {
   check_w4(x, packed, scale, offset, group, false);
@@ -138,98 +190,63 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   const int32_t* wp = packed.data_ptr<int32_t>();
   const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    __m256i masks[7];
-    for (int j = 0; j < 7; ++j) masks[j] = _mm256_set1_epi32(0xF << (4 * j));
-    float *sums = scratch<float, 1>(G), *scaled = scratch<float, 2>(K);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xr = xp + m * K;
-      for (int64_t g = 0; g < G; ++g) {
-        float s = 0.f;
-        for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xr[k];
-        sums[g] = s;
-      }
-      for (int64_t k = 0; k < K; ++k) {
-        const int j = (k % 64) / 8;
-        scaled[k] = j == 7 ? xr[k] : std::ldexp(xr[k], -4 * j);
-      }
-      const float* xs = scaled;
-      for (int64_t n = begin; n < end; ++n) {
-        const int32_t* row = wp + n * (K / 8);
-        const float *srow = sp + n * G, *orow = op + n * G;
-        __m256 total = _mm256_setzero_ps();
-        float extra = 0.f;
-        for (int64_t g = 0; g < G; ++g) extra += orow[g] * sums[g];
-#define NIBBLE(j) _mm256_cvtepi32_ps((j) == 7 ? _mm256_srli_epi32(b, 28) : _mm256_and_si256(b, masks[(j) % 7]))
-        if (group == 32) {
-          for (int64_t blk = 0; blk < K / 64; ++blk) {
-            const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + blk * 8));
-            const float* xb = xs + blk * 64;
-            __m256 a0 = _mm256_mul_ps(NIBBLE(0), _mm256_loadu_ps(xb));
-            __m256 a1 = _mm256_mul_ps(NIBBLE(1), _mm256_loadu_ps(xb + 8));
-            __m256 c0 = _mm256_mul_ps(NIBBLE(4), _mm256_loadu_ps(xb + 32));
-            __m256 c1 = _mm256_mul_ps(NIBBLE(5), _mm256_loadu_ps(xb + 40));
-            a0 = _mm256_fmadd_ps(NIBBLE(2), _mm256_loadu_ps(xb + 16), a0);
-            a1 = _mm256_fmadd_ps(NIBBLE(3), _mm256_loadu_ps(xb + 24), a1);
-            c0 = _mm256_fmadd_ps(NIBBLE(6), _mm256_loadu_ps(xb + 48), c0);
-            c1 = _mm256_fmadd_ps(NIBBLE(7), _mm256_loadu_ps(xb + 56), c1);
-            total = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(srow[2 * blk]), total);
-            total = _mm256_fmadd_ps(_mm256_add_ps(c0, c1), _mm256_set1_ps(srow[2 * blk + 1]), total);
-          }
-        } else {
-          const int64_t per = group / 64;
-          for (int64_t g = 0; g < G; ++g) {
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            for (int64_t blk = g * per; blk < (g + 1) * per; ++blk) {
-              const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + blk * 8));
-              const float* xb = xs + blk * 64;
-              a0 = _mm256_fmadd_ps(NIBBLE(0), _mm256_loadu_ps(xb), a0);
-              a1 = _mm256_fmadd_ps(NIBBLE(1), _mm256_loadu_ps(xb + 8), a1);
-              a2 = _mm256_fmadd_ps(NIBBLE(2), _mm256_loadu_ps(xb + 16), a2);
-              a3 = _mm256_fmadd_ps(NIBBLE(3), _mm256_loadu_ps(xb + 24), a3);
-              a0 = _mm256_fmadd_ps(NIBBLE(4), _mm256_loadu_ps(xb + 32), a0);
-              a1 = _mm256_fmadd_ps(NIBBLE(5), _mm256_loadu_ps(xb + 40), a1);
-              a2 = _mm256_fmadd_ps(NIBBLE(6), _mm256_loadu_ps(xb + 48), a2);
-              a3 = _mm256_fmadd_ps(NIBBLE(7), _mm256_loadu_ps(xb + 56), a3);
-            }
-            __m256 sum = _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
-            total = _mm256_fmadd_ps(sum, _mm256_set1_ps(srow[g]), total);
-          }
-        }
-#undef NIBBLE
-        yp[m * N + n] = hsum(total) + extra;
-      }
+  float *sums = scratch<float, 1>(G), *scaled = scratch<float, 2>(K);
+  __m256 power[8];  // 16^-j, exact
+  for (int j = 0; j < 8; ++j) power[j] = _mm256_set1_ps(j == 7 ? 1.f : std::ldexp(1.f, -4 * j));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * K;
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xr[k];
+      sums[g] = s;
     }
-  });
+    for (int64_t k = 0; k < K; k += 8) {
+      _mm256_storeu_ps(scaled + k, _mm256_mul_ps(_mm256_loadu_ps(xr + k), power[(k % 64) / 8]));
+    }
+    const float *xs = scaled, *gs = sums;
+    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n)
+        yp[m * N + n] = w4_row(wp + n * (K / 8), sp + n * G, op + n * G, K, G, group, xs, gs);
+    });
+  }
   return y;
 }
 
-// Output n of int4_matmul_a8: one row's weights read front to back, the line 4 KB ahead prefetched.
-// Rows taken four at a time (one load of the int8 values per block for four rows) ran 1.2-2x slower
-// from memory on a Zen 4 (2x on the 576 x 1536 down projection): four interleaved streams defeat
-// the hardware prefetcher, which a single front-to-back stream keeps busy.
-inline float w4a8_row(const int32_t* row, const float* srow, const float* orow, int64_t K, int64_t G,
-                      int64_t per, const int8_t* low, const int8_t* high, const float* block_scale,
-                      const float* sums) {
-  const __m256i nibble = _mm256_set1_epi8(0x0F);
-#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__)) && !defined(__AVXVNNI__)
-  const __m256i ones = _mm256_set1_epi16(1);
+// The 64 products of a block's 4-bit codes (lo: the low nibbles, hi: the high ones) and int8 values
+// (xl, xh: those the low and high nibbles meet), summed exactly in int32 per lane: VNNI's vpdpbusd
+// where the CPU has it, else AVX2's maddubs (pairs of 15 * 128 sum to at most 3840 per int16 lane:
+// no saturation).
+inline __m256i block_dot(__m256i lo, __m256i hi, __m256i xl, __m256i xh) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xl), hi, xh);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xl), hi, xh);
+#else
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 #endif
+}
+
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// Output n of int4_matmul_a8 / _a16: one row's weights read front to back, the line 4 KB ahead
+// prefetched. Rows taken four at a time (one load of the int8 values per block for four rows) ran
+// 1.2-2x slower from memory on a Zen 4 (2x on the 576 x 1536 down projection): four interleaved
+// streams defeat the hardware prefetcher, which a single front-to-back stream keeps busy.
+// ``values``: the row's int8 values met by the low nibbles [K / 2], then by the high ones [K / 2];
+// Wide: then the fine parts, the same way (a value is 256 * coarse + fine).
+template <bool Wide>
+inline float w4aq_row(const int32_t* row, const float* srow, const float* orow, int64_t K, int64_t G, int64_t per,
+                      const int8_t* values, const float* block_scale, const float* sums) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
   __m256 total = _mm256_setzero_ps();
   for (int64_t blk = 0; blk < K / 64; ++blk) {
-    const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(low + blk * 32));
-    const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high + blk * 32));
     const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + blk * 8));
     _mm_prefetch(reinterpret_cast<const char*>(row + blk * 8) + 4096, _MM_HINT_T0);
     const __m256i lo = _mm256_and_si256(b, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), nibble);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const __m256i dot = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xl), hi, xh);
-#elif defined(__AVXVNNI__)
-    const __m256i dot = _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xl), hi, xh);
-#else  // pairs of 15 * 127 sum to at most 3810 per int16 lane: no saturation
-    const __m256i dot =
-        _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), ones);
-#endif
+    const int8_t* v = values + blk * 32;
+    __m256i dot = block_dot(lo, hi, load32(v), load32(v + K / 2));
+    if (Wide) dot = _mm256_add_epi32(_mm256_slli_epi32(dot, 8), block_dot(lo, hi, load32(v + K), load32(v + 3 * K / 2)));
     total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(block_scale[blk] * srow[blk / per]), total);
   }
   float extra = 0.f;
@@ -237,30 +254,45 @@ inline float w4a8_row(const int32_t* row, const float* srow, const float* orow, 
   return hsum(total) + extra;
 }
 
-// int4_matmul's weights times rows rounded to int8 (W4A8, as llama.cpp's Q4 x Q8 products): each
-// block of 64 values of a row gets its own scale max|x| / 127, and a block's 64 products of 4-bit
-// codes and 8-bit values are summed exactly in int32 (VNNI's vpdpbusd where the CPU has it, else
-// AVX2's maddubs), so a weight costs about a sixth of int4_matmul's float work and the product
-// streams the weights near the memory's rate. The offset term uses the unrounded row.
-// In a block of int4_matmul's layout, byte 4 l + c holds weight 16 c + l in its low nibble and
-// 16 c + 8 + l in its high one; the row's int8 values are permuted to match once per call.
-at::Tensor int4_matmul_a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+// The bytes of q[0..7] (int32 lanes, q[j] lane l: value 8 j + l of a block) in int4_matmul's order:
+// byte 4 l + c of a block holds weight 16 c + l in its low nibble and 16 c + 8 + l in its high one,
+// so the values the low nibbles meet are q[2 c] lane l, those the high ones meet q[2 c + 1] lane l.
+inline void store_block_bytes(const __m256i* q, int8_t* low, int8_t* high) {
+  const __m256i byte = _mm256_set1_epi32(0xFF);
+  for (int half = 0; half < 2; ++half) {
+    const __m256i bytes = _mm256_or_si256(
+        _mm256_or_si256(_mm256_and_si256(q[half], byte), _mm256_slli_epi32(_mm256_and_si256(q[2 + half], byte), 8)),
+        _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(q[4 + half], byte), 16), _mm256_slli_epi32(q[6 + half], 24)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(half ? high : low), bytes);
+  }
+}
+
+// int4_matmul's weights times rows rounded per block of 64 values, the block's products summed
+// exactly in int32 (block_dot), so a weight costs a fraction of int4_matmul's float work and the
+// product streams the weights near the memory's rate. The offset term uses the unrounded row.
+// W4A8 (Wide false, as llama.cpp's Q4 x Q8 products): a block's scale is max|x| / 127; lossy, about
+// 1% of a product's size. W4A16 (Wide true): max|x| / 32639, each value split into int8 parts
+// 256 * coarse + fine (coarse = (v + 128) >> 8 stays within int8 below 32640), two integer products
+// a block: a value's error is at most 2^-16 of its block's largest, below bf16's rounding of it
+// (2^-9 of itself) for every value above 1/128 of the block's largest.
+template <bool Wide>
+at::Tensor int4_matmul_aq(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                           const at::Tensor& offset, int64_t group) {
   check_w4(x, packed, scale, offset, group, true);
   const int64_t K = packed.size(1) * 8, N = packed.size(0), G = K / group, B = K / 64, per = group / 64;
   const int64_t M = x.size(0);
+  const float limit = Wide ? 32639.f : 127.f;
   auto y = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   const int32_t* wp = packed.data_ptr<int32_t>();
   const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  int8_t *low = scratch<int8_t, 3>(K), *high = low + K / 2;  // per block: the values met by low and high nibbles
+  int8_t* values = scratch<int8_t, 3>(Wide ? 2 * K : K);
   float *block_scale = scratch<float, 4>(B), *sums = scratch<float, 5>(G);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = xp + m * K;
     for (int64_t g = 0; g < G; ++g) sums[g] = 0.f;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
-    const __m256i byte = _mm256_set1_epi32(0xFF);
     for (int64_t blk = 0; blk < B; ++blk) {
       __m256 v[8], amax = _mm256_setzero_ps(), sum = _mm256_setzero_ps();
       for (int j = 0; j < 8; ++j) {  // v[j] lane l: value 8 j + l of the block
@@ -271,24 +303,27 @@ at::Tensor int4_matmul_a8(const at::Tensor& x, const at::Tensor& packed, const a
       __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
       a = _mm_max_ps(a, _mm_movehl_ps(a, a));
       const float top = _mm_cvtss_f32(_mm_max_ss(a, _mm_shuffle_ps(a, a, 1)));
-      block_scale[blk] = top / 127.f;
-      const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
+      block_scale[blk] = top / limit;
+      const __m256 inv = _mm256_set1_ps(top > 0.f ? limit / top : 0.f);
       __m256i q[8];  // rounded to nearest, ties to even (the default rounding mode)
-      for (int j = 0; j < 8; ++j) q[j] = _mm256_and_si256(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv)), byte);
-      // low byte 4 l + c = value 16 c + l = q[2 c] lane l; high byte 4 l + c = q[2 c + 1] lane l
-      for (int half = 0; half < 2; ++half) {
-        const __m256i bytes = _mm256_or_si256(
-            _mm256_or_si256(q[half], _mm256_slli_epi32(q[2 + half], 8)),
-            _mm256_or_si256(_mm256_slli_epi32(q[4 + half], 16), _mm256_slli_epi32(q[6 + half], 24)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>((half ? high : low) + blk * 32), bytes);
+      for (int j = 0; j < 8; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+      if (Wide) {
+        __m256i fine[8];
+        for (int j = 0; j < 8; ++j) {
+          const __m256i coarse = _mm256_srai_epi32(_mm256_add_epi32(q[j], _mm256_set1_epi32(128)), 8);
+          fine[j] = _mm256_sub_epi32(q[j], _mm256_slli_epi32(coarse, 8));
+          q[j] = coarse;
+        }
+        store_block_bytes(fine, values + K + blk * 32, values + 3 * K / 2 + blk * 32);
       }
+      store_block_bytes(q, values + blk * 32, values + K / 2 + blk * 32);
       sums[blk / per] += hsum(sum);
     }
-    const int8_t *lp = low, *hp = high;
+    const int8_t* vp = values;
     const float *bp = block_scale, *gp = sums;
     at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n)
-        yp[m * N + n] = w4a8_row(wp + n * (K / 8), sp + n * G, op + n * G, K, G, per, lp, hp, bp, gp);
+        yp[m * N + n] = w4aq_row<Wide>(wp + n * (K / 8), sp + n * G, op + n * G, K, G, per, vp, bp, gp);
     });
   }
   return y;
@@ -475,6 +510,7 @@ TORCH_LIBRARY(compress, m) {
   m.def("bf16_matmul(Tensor x, Tensor w) -> Tensor");
   m.def("int4_matmul(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("int4_matmul_a8(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
+  m.def("int4_matmul_a16(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor scale, Tensor offset, int group, bool bf16=False) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scaling) -> Tensor");
 }
@@ -482,7 +518,8 @@ TORCH_LIBRARY(compress, m) {
 TORCH_LIBRARY_IMPL(compress, CPU, m) {
   m.impl("bf16_matmul", &bf16_matmul);
   m.impl("int4_matmul", &int4_matmul);
-  m.impl("int4_matmul_a8", &int4_matmul_a8);
+  m.impl("int4_matmul_a8", &int4_matmul_aq<false>);
+  m.impl("int4_matmul_a16", &int4_matmul_aq<true>);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("decode_attention", &decode_attention);
 }
