@@ -44,6 +44,8 @@ def compress(recipe: str, model: str, args, out: Path, seed: int | None) -> dict
     ]
     if args.samples:
         cmd += ["--samples", str(args.samples)]
+    if args.calibration_dtype:
+        cmd += ["--calibration-dtype", args.calibration_dtype]
     if seed is not None:
         cmd += ["--seed", str(seed)]
     result = subprocess.run(cmd, capture_output=True, text=True)
@@ -98,6 +100,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, help="calibration samples (default: each recipe's)")
     parser.add_argument("--seeds", type=int, default=1, help="calibration seeds 0..N-1 per recipe: mean ± std")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument(
+        "--calibration-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        help="passed to compress apply (default: its own)",
+    )
     parser.add_argument("--device", default="auto")
     parser.add_argument("--keep", help="keep the exports in this folder (default: a temporary one)")
     parser.add_argument("--json", help="also write the raw reports here")
