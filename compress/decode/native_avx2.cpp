@@ -127,7 +127,7 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& w) {
 // y[m, n] = sum_g scale[n, g] * dot(x[m, g], u[n, g]) + offset[n, g] * sum(x[m, g]).
 // Nibble j is masked in place (u * 16^j, exact in fp32) and met by x / 16^j (a power of two: exact),
 // so a weight costs a mask, a conversion and an FMA; nibble 7 is shifted down (its mask would set the
-// sign bit). One output: one row of weights read front to back, prefetched 4 KB ahead (as w4a8_row).
+// sign bit). One output: one row of weights read front to back, prefetched 4 KB ahead (as w4aq_row).
 inline float w4_row(const int32_t* row, const float* srow, const float* orow, int64_t K, int64_t G, int64_t group,
                     const float* xs, const float* sums) {
   __m256i masks[7];
