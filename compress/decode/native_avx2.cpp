@@ -178,8 +178,8 @@ inline float w4_row(const int32_t* row, const float* srow, const float* orow, in
 }
 
 // The products of w4_row for rows x; each row's group sums and x / 16^j are prepared once, before
-// the outputs are split between the threads (prepared inside, by every thread, they took about as
-// long as the products on two threads).
+// the outputs are split between the threads (every thread had prepared them, with a scalar ldexp
+// per value: the products took 10-15% longer).
 at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                        const at::Tensor& offset, int64_t group) {
   check_w4(x, packed, scale, offset, group, false);
