@@ -36,7 +36,7 @@ class Calibration(_Strict):
     route_all_experts: bool = False  # every expert computes on every token for statistics
     # what the blocks compute in while calibrating: auto is float32 on a CPU and the model's dtype
     # on a GPU; bfloat16 halves a CPU sweep where the CPU multiplies bf16 in hardware (AVX512-BF16
-    # or AMX), as a GPU computes (AWQ W4 on SmolLM2, Zen 4: 290 s against 600; docs/results.md)
+    # or AMX), as a GPU computes (AWQ W4 on SmolLM2, Zen 4: 290 s against 511; docs/results.md)
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 
