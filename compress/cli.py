@@ -198,7 +198,8 @@ def _decode(args) -> None:
     room = prompt.shape[1] + args.max_new_tokens + args.k + 1
 
     def engine(m, **kw):
-        built = Engine(m, kernel=args.kernel, max_len=room, compile=args.compile, **kw)
+        cache_dtype = None if args.cache_dtype == "auto" else models.parse_dtype(args.cache_dtype)
+        built = Engine(m, kernel=args.kernel, max_len=room, compile=args.compile, cache_dtype=cache_dtype, **kw)
         print(
             f"[decode engine: {built.describe()}; stream {str(built.dtype).removeprefix('torch.')}; "
             f"{built.weight_bytes() / 1e6:.0f} MB of weights per token]",
@@ -544,6 +545,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="exact",
         help="the output layer as the model holds it (default), or rounded to int8/int4 in memory for "
         "decoding (lossy: on SmolLM2 it is 21%% of the weight bytes a token reads)",
+    )
+    p.add_argument(
+        "--cache-dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="the KV cache's dtype: auto (the stream's; bf16 under int4-a8) or one of these; bfloat16 "
+        "under an fp32 stream halves what attention reads (lossy against fp32 greedy)",
     )
     p.add_argument(
         "--compile",

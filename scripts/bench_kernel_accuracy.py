@@ -52,10 +52,14 @@ def main() -> None:
     windows = [ids[i * args.seqlen : (i + 1) * args.seqlen] for i in range(args.windows)]
     formats = {
         "dense (auto)": dict(),
+        "dense, bf16 KV cache": dict(cache_dtype=torch.bfloat16),
         "W4 (RTN in memory), int4-avx2": dict(quantize="w4", kernel="int4-avx2"),
         "W4, int4-avx2 + int4 lm_head": dict(quantize="w4", kernel="int4-avx2", lm_head="int4"),
         "W4A16, int4-a16": dict(quantize="w4", kernel="int4-a16"),
         "W4A16, int4-a16 + int4 lm_head": dict(quantize="w4", kernel="int4-a16", lm_head="int4"),
+        "W4A16, int4-a16 + int4 lm_head, bf16 KV cache": dict(
+            quantize="w4", kernel="int4-a16", lm_head="int4", cache_dtype=torch.bfloat16
+        ),
         "W4A8, int4-a8": dict(quantize="w4", kernel="int4-a8"),
         "W4A8, int4-a8 + int4 lm_head": dict(quantize="w4", kernel="int4-a8", lm_head="int4"),
     }

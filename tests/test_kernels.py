@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from compress import models
-from compress.decode import greedy, kernels, native
+from compress.decode import DecodeError, greedy, kernels, native
 from compress.decode.engine import Engine
 from compress.export import export
 from tests.conftest import _NoTokenizer, compress_with, tiny
@@ -176,6 +176,28 @@ def test_w4a8_is_used_only_when_asked_for():
     exact = Engine(model, kernel="int4-avx2", lm_head="int4")
     exact.forward(prompt[0, :20])
     torch.testing.assert_close(exact.forward(prompt[0, 20:24]), one_by_one, atol=0.05, rtol=0)
+
+
+@needs_native
+def test_a_bf16_kv_cache_under_the_fp32_stream_is_asked_for():
+    """``cache_dtype=torch.bfloat16`` keeps the fp32 stream and products, stores keys and values in
+    bf16 (read by our attention), steps verify as one-token steps do, and its logits stay near the
+    fp32 cache's; any other dtype is one clear error."""
+    model = tiny("llama", hidden=128).to(torch.bfloat16)
+    compress_with(model, "  - rtn: {bits: 4, group_size: 64, symmetric: true}\n")
+    prompt = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    exact = Engine(model, kernel="int4-a16")
+    half = Engine(model, kernel="int4-a16", cache_dtype=torch.bfloat16)
+    assert exact.cache_dtype == torch.float32 and half.formats == exact.formats
+    assert half.dtype == torch.float32 and half.k_cache[0].dtype == torch.bfloat16 and half.native_attention
+    half.forward(prompt[0, :20])
+    one_by_one = torch.cat([half.forward(prompt[0, i : i + 1]) for i in range(20, 24)])
+    half.crop(4)
+    assert torch.equal(half.forward(prompt[0, 20:24]), one_by_one)
+    exact.forward(prompt[0, :20])
+    torch.testing.assert_close(exact.forward(prompt[0, 20:24]), one_by_one, atol=5e-3, rtol=0)
+    with pytest.raises(DecodeError, match="float32 or bfloat16"):
+        Engine(model, cache_dtype=torch.float16)
 
 
 @needs_native

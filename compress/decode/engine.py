@@ -128,6 +128,12 @@ class Engine:
     KIVI decoding reads at dense speed. The engine keeps those values dense, not the codes: it
     reproduces KIVI's tokens, not its memory saving. ``kivi=False`` keeps a full-precision
     cache whatever the model carries (a draft, whose rejected tokens must be rolled back).
+
+    ``cache_dtype``: the KV cache's dtype. By default the stream's, except bf16 under kernels that
+    round their rows to int8 (they lose more than a bf16 cache does) and fp32 where bf16 arithmetic
+    is emulated. ``torch.bfloat16`` under an fp32 stream halves what attention reads (a step at 400
+    cached tokens reads 18 MB of fp32 keys and values on SmolLM2), at a rounding of its own: lossy
+    against fp32 greedy, as ``scripts/bench_kernel_accuracy.py`` measures.
     """
 
     def __init__(
@@ -142,6 +148,7 @@ class Engine:
         kivi: bool = True,
         graphs: bool | None = None,
         step_rows: int | None = None,
+        cache_dtype: torch.dtype | None = None,
     ):
         config = model.config
         if config.model_type not in SUPPORTED:
@@ -181,7 +188,11 @@ class Engine:
         native_attention = (
             self.device.type == "cpu" and self.softcap_attn is None and self.head_dim % 8 == 0 and native.available()
         )
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16 and not kernels.onednn_bf16_available():
+        if cache_dtype is not None:
+            if cache_dtype not in (torch.float32, torch.bfloat16):
+                raise DecodeError(f"cache_dtype={cache_dtype}: the KV cache is float32 or bfloat16")
+            self.cache_dtype = cache_dtype
+        elif self.device.type == "cpu" and self.dtype == torch.bfloat16 and not kernels.onednn_bf16_available():
             # attention (and so the cache) in fp32 where bf16 arithmetic is emulated (an AVX2-only CPU):
             # there the compiled step's bf16 SDPA for one row over ~330 slots took 352 us a layer, fp32 156-173
             self.cache_dtype = torch.float32
