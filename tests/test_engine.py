@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from compress.decode import DecodeError, DraftModel, PromptLookup, greedy, kernels, layer_subset, speculate
+from compress.decode import engine as engine_code
 from compress.decode.engine import Engine
 from tests.conftest import compress_with, tiny
 
@@ -223,7 +224,7 @@ def _compiled_or_skip(engine: Engine) -> None:
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
-def test_compiled_step_computes_what_the_eager_step_computes(model_type, package_folder):
+def test_compiled_step_computes_what_the_eager_step_computes(model_type, package_folder, monkeypatch):
     """The compiled one-token step (frozen weights, inductor's own GEMMs, logits in the graph)
     agrees with the eager step to fp32 rounding, through a cache that grows past the prompt; a
     second engine over the same weights loads the package from disk and computes the same bits."""
@@ -232,6 +233,9 @@ def test_compiled_step_computes_what_the_eager_step_computes(model_type, package
     stale, live = package_folder / "old.1.partial.pt2", package_folder / "new.2.partial.pt2"
     stale.write_bytes(b"killed"), live.write_bytes(b"being written")
     os.utime(stale, (time.time() - 2 * 86400,) * 2)  # a writer killed two days ago
+    unused, foreign = package_folder / f"{'0' * 32}.pt2", package_folder / "mine.pt2"
+    unused.write_bytes(b"an older package"), foreign.write_bytes(b"not ours")
+    monkeypatch.setenv("COMPRESS_ENGINE_CACHE_GB", "0")  # room for the newest package only
     eager, compiled = Engine(model, kernel="fp32"), Engine(model, kernel="fp32", compile=True)
     prompt = _prompt()[0].tolist()
     eager.forward(prompt), compiled.forward(prompt)
@@ -242,13 +246,32 @@ def test_compiled_step_computes_what_the_eager_step_computes(model_type, package
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
         outputs.append(got)
     assert compiled.compile_seconds > 0 and compiled.compiled.built
-    # its own partial file renamed, a stale one removed, another process's recent one kept
-    assert {p.name for p in package_folder.iterdir()} == {compiled.compiled.path.name, live.name}
+    # its own partial file renamed, a stale one removed, another process's recent one kept; over
+    # the size limit, the older package removed, a file we did not write kept
+    assert {p.name for p in package_folder.iterdir()} == {compiled.compiled.path.name, live.name, foreign.name}
 
     again = Engine(model, kernel="fp32", compile=True)
     again.forward(prompt)
     assert torch.equal(torch.cat([again.forward([t]) for t in [5, 17, 99, 3, 42, 7]]), torch.cat(outputs))
     assert again.compiled.built is False  # loaded, not compiled
+
+
+def test_old_packages_go_least_recently_used_first(tmp_path, monkeypatch):
+    """The package folder keeps under its size limit by removing the packages used longest ago."""
+    sizes = {"a": 300, "b": 200, "c": 100}  # used 3, 2 and 1 hours ago
+    for age, (name, size) in enumerate(sizes.items()):
+        package = tmp_path / f"{name * 32}.pt2"
+        package.write_bytes(bytes(size))
+        os.utime(package, (time.time() - 3600 * (3 - age),) * 2)
+    kept = tmp_path / f"{'d' * 32}.pt2"
+    kept.write_bytes(bytes(400))
+    engine_code._evict(kept, 750)  # 1000 bytes: "a", the oldest, goes
+    assert sorted(p.name[0] for p in tmp_path.iterdir()) == ["b", "c", "d"]
+    engine_code._evict(kept, 0)  # the newest stays even over the limit
+    assert [p.name[0] for p in tmp_path.iterdir()] == ["d"]
+    monkeypatch.setenv("COMPRESS_ENGINE_CACHE_GB", "lots")
+    with pytest.raises(DecodeError, match="number of gigabytes"):
+        Engine(tiny("llama"), kernel="fp32", compile=True)
 
 
 def test_compiled_verify_steps_round_as_compiled_one_token_steps(package_folder):

@@ -26,6 +26,7 @@ import copy
 import hashlib
 import math
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -678,18 +679,48 @@ def _fingerprint(engine: Engine) -> str:
     return digest.hexdigest()
 
 
+def _cache_limit() -> float:
+    """Bytes the packages may take: ``$COMPRESS_ENGINE_CACHE_GB`` (default 10) gigabytes."""
+    value = os.environ.get("COMPRESS_ENGINE_CACHE_GB", "10")
+    try:
+        return float(value) * 1e9
+    except ValueError:
+        raise DecodeError(f"COMPRESS_ENGINE_CACHE_GB={value!r}: give a number of gigabytes, e.g. 10") from None
+
+
+def _evict(kept: Path, limit: float) -> None:
+    """Remove the least recently used packages beside ``kept`` until the folder holds at most
+    ``limit`` bytes, ``kept`` always included. Every change of weights, settings or compress makes
+    a new package (200-400 MB for SmolLM2, 1.4x the bf16 size for a 7B model), so without this the
+    folder only grows. Only ``<32 hex digits>.pt2`` files: the ones we write."""
+    packages = []
+    for package in kept.parent.glob("*.pt2"):
+        if package != kept and re.fullmatch(r"[0-9a-f]{32}", package.stem):
+            with contextlib.suppress(OSError):  # another process may remove it first
+                packages.append((package.stat().st_mtime, package.stat().st_size, package))
+    total = kept.stat().st_size + sum(size for _, size, _ in packages)
+    for _, size, package in sorted(packages):  # oldest use first
+        if total <= limit:
+            break
+        with contextlib.suppress(OSError):
+            package.unlink()
+        total -= size
+
+
 def _compiled(engine: Engine):
     """The compiled step (``step_rows`` tokens): ids, positions, span -> logits.
 
     Loaded from ``cache_dir()/engine/<fingerprint>.pt2`` when an earlier process built it; else
     exported, compiled with AOTInductor and written there (atomically) on the first call."""
     path = cache_dir() / "engine" / f"{_fingerprint(engine)}.pt2"
-    runner = None
+    runner, limit = None, _cache_limit()
 
     def load_or_build():
         if path.exists():
             try:
                 step.built = False
+                with contextlib.suppress(OSError):
+                    os.utime(path)  # used now: the last package ``_evict`` removes
                 return torch._inductor.aoti_load_package(str(path))
             except Exception as e:  # noqa: BLE001 - a damaged package (a killed writer cannot leave one): rebuild
                 print(
@@ -738,6 +769,7 @@ def _compiled(engine: Engine):
             os.replace(partial, path)
         finally:
             partial.unlink(missing_ok=True)
+        _evict(path, limit)
         return torch._inductor.aoti_load_package(str(path))
 
     def step(ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
