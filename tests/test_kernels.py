@@ -169,6 +169,8 @@ def test_w4a8_is_used_only_when_asked_for():
     a8 = Engine(model, kernel="int4-a8", lm_head="int4")
     assert set(a8.formats.values()) == {"int4-a8"}
     assert a8.cache_dtype == torch.bfloat16 and a8.native_attention  # it rounds more than the cache does
+    for named in ("int4-avx2", "int4-a16"):  # any of our W4 kernels asked for runs a lossy int4 lm_head too
+        assert Engine(model, kernel=named, lm_head="int4").formats["lm_head"] == named
     a8.forward(prompt[0, :20])
     one_by_one = torch.cat([a8.forward(prompt[0, i : i + 1]) for i in range(20, 24)])
     a8.crop(4)

@@ -668,11 +668,11 @@ def choose(
     """
     formats, timings = {}, {}
     for name, layers in groups.items():
-        if lossy and name in lossy:  # a lossy int4 on a CPU may run on either int4 kernel: the faster one
+        if lossy and name in lossy:  # a lossy int4 on a CPU: the int4 kernel asked for, or the fastest
             native_fits = device.type == "cpu" and layers[0][0].in_features % 64 == 0 and native.available()
             exact = [lossy[name]]
-            if lossy[name] == "int4" and native_fits and kernel in ("auto", "int4-a8"):
-                exact = ["int4-a8"] if kernel == "int4-a8" else ["int4", "int4-avx2", "int4-a16"]
+            if lossy[name] == "int4" and native_fits and (kernel == "auto" or kernel in native.INT4_FORMATS):
+                exact = [kernel] if kernel != "auto" else ["int4", "int4-avx2", "int4-a16"]
             if len(exact) == 1:
                 formats[name] = exact[0]
                 continue

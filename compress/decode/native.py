@@ -30,7 +30,8 @@ from .. import machine
 from ..models import cache_dir
 
 SOURCE = Path(__file__).with_name("native_avx2.cpp")
-FORMATS = ("bf16-avx2", "int4-avx2", "int4-a16", "int4-a8")  # the weight formats (``kernels``) these kernels compute
+INT4_FORMATS = ("int4-avx2", "int4-a16", "int4-a8")  # the W4 weight formats (``kernels``) these kernels compute
+FORMATS = ("bf16-avx2", *INT4_FORMATS)
 
 
 def _compiler() -> str | None:
