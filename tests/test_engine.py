@@ -269,6 +269,7 @@ def test_old_packages_go_least_recently_used_first(tmp_path, monkeypatch):
     assert sorted(p.name[0] for p in tmp_path.iterdir()) == ["b", "c", "d"]
     engine_code._evict(kept, 0)  # the newest stays even over the limit
     assert [p.name[0] for p in tmp_path.iterdir()] == ["d"]
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))  # nothing lands in the user's cache
     monkeypatch.setenv("COMPRESS_ENGINE_CACHE_GB", "lots")
     with pytest.raises(DecodeError, match="number of gigabytes"):
         Engine(tiny("llama"), kernel="fp32", compile=True)
