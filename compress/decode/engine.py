@@ -697,7 +697,8 @@ def _evict(kept: Path, limit: float) -> None:
     for package in kept.parent.glob("*.pt2"):
         if package != kept and re.fullmatch(r"[0-9a-f]{32}", package.stem):
             with contextlib.suppress(OSError):  # another process may remove it first
-                packages.append((package.stat().st_mtime, package.stat().st_size, package))
+                status = package.stat()
+                packages.append((status.st_mtime, status.st_size, package))
     total = kept.stat().st_size + sum(size for _, size, _ in packages)
     for _, size, package in sorted(packages):  # oldest use first
         if total <= limit:
