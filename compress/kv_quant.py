@@ -24,11 +24,24 @@ that swing from token to token after it, which is what a per-channel scale over 
 copes with worst. The cache holds the post-rotation keys the model hands it, so each chunk is
 rotated back by its positions' angles, rounded, and rotated forward again (exact up to float
 rounding: a rotation's inverse is its transpose).
+
+Two options for 2 bits, where four levels per group leave little room (issue 31; measured in
+docs/results.md). Keys cost most of INT2's error (on SmolLM2, exact values with INT2 keys keep
+about 70% of the increase):
+
+- ``key_group_size``: tokens sharing a key channel's scale, apart from the values' channel groups;
+  with ``fp8_key_scales`` the key scales are held in float8 e4m3 (as NVFP4 holds its block
+  scales) and the minima in 16 bits: smaller key groups for fewer bytes than 16-bit scales.
+- ``rotate_values``: each head's values are multiplied by a Hadamard matrix before their per-token
+  rounding and by its transpose after (QuaRot, Ashkboos et al. 2024): the rotation spreads an
+  outlying channel over all of a token's channels, so one channel no longer sets its group's step.
+  A decoder folds the matrix into ``v_proj`` and ``o_proj``; here it multiplies the cache.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import asdict, dataclass
 
@@ -46,6 +59,13 @@ class KVScheme:
     residual: int = 128  # recent tokens kept in full precision; a multiple of group_size, or 0
     sinks: int = 0  # the first tokens, kept in full precision for good (attention sinks)
     pre_rope: bool = False  # keys quantized before the rotary embedding (KVQuant)
+    key_group_size: int | None = None  # tokens sharing a key channel's scale; None: group_size
+    fp8_key_scales: bool = False  # key scales in float8 e4m3, minima in 16 bits
+    rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot); head_dim a power of 2
+
+    @property
+    def key_group(self) -> int:
+        return self.key_group_size or self.group_size
 
     def __post_init__(self):
         if self.bits not in (2, 4, 8):
@@ -54,6 +74,8 @@ class KVScheme:
             raise ValueError(f"residual ({self.residual}) must be 0 or a multiple of group_size ({self.group_size})")
         if self.sinks < 0:
             raise ValueError(f"sinks must be 0 or more, got {self.sinks}")
+        if self.key_group <= 0 or self.residual % self.key_group:
+            raise ValueError(f"residual ({self.residual}) must be 0 or a multiple of key_group_size ({self.key_group})")
 
     def quantized_upto(self, tokens: int) -> int:
         """Of ``tokens`` cached tokens, a decoder holds ``sinks .. quantized_upto(tokens)`` quantized:
@@ -66,25 +88,50 @@ class KVScheme:
     def bytes_per_token(self, layers: int, kv_heads: int, head_dim: int, float_bytes: int = 2) -> float:
         """Quantized K and V of one token, scales and minima (``float_bytes`` each) included."""
         codes = 2 * head_dim * self.bits / 8
-        # per-channel keys: a scale and a minimum per channel per group_size tokens; per-token
-        # values (and keys without a window): one pair per group_size channels. Both come to:
-        scales = 2 * head_dim * 2 * float_bytes / self.group_size
+        # per-channel keys: a scale and a minimum per channel per key_group tokens; keys without a
+        # window, per token: one pair per key_group channels. Both come to head_dim / key_group
+        # pairs a token. Values: one pair per group_size channels.
+        key_pair = (1 if self.fp8_key_scales else float_bytes) + float_bytes
+        scales = head_dim * key_pair / self.key_group + head_dim * 2 * float_bytes / self.group_size
         return layers * kv_heads * (codes + scales)
 
     def describe(self) -> str:
         window = f"residual {self.residual}" if self.residual else "no residual"
         sinks = f" sinks {self.sinks}" if self.sinks else ""
-        return f"KV INT{self.bits} g{self.group_size} {window}{sinks}" + (" pre-RoPE keys" if self.pre_rope else "")
+        keys = f" keys g{self.key_group_size}" if self.key_group_size else ""
+        extra = [
+            name
+            for name, on in (
+                ("pre-RoPE keys", self.pre_rope),
+                ("fp8 key scales", self.fp8_key_scales),
+                ("Hadamard values", self.rotate_values),
+            )
+            if on
+        ]
+        return f"KV INT{self.bits} g{self.group_size}{keys} {window}{sinks}" + "".join(f", {e}" for e in extra)
 
 
 def dense_bytes_per_token(layers: int, kv_heads: int, head_dim: int, float_bytes: int = 2) -> int:
     return layers * kv_heads * 2 * head_dim * float_bytes
 
 
-def _minmax(x: torch.Tensor, dim: int, bits: int):
-    """Asymmetric codes over ``dim`` (kept): ``x ≈ codes · scale + minimum``, error ≤ scale / 2."""
+FP8_SMALLEST, FP8_LARGEST = 2.0**-9, 448.0  # float8 e4m3's least subnormal and largest finite
+
+
+def _fp8(scale: torch.Tensor) -> torch.Tensor:
+    """``scale`` as float8 e4m3 holds it, as float32. The nearest: rounding up (so that the range
+    stays covered) coarsens every group's step: on Gemma-3 INT2 it cost 0.76 perplexity over
+    16-bit scales in a 4-window screen, the nearest 0.12."""
+    return scale.float().clamp(FP8_SMALLEST, FP8_LARGEST).to(torch.float8_e4m3fn).float()
+
+
+def _minmax(x: torch.Tensor, dim: int, bits: int, fp8_scale: bool = False):
+    """Asymmetric codes over ``dim`` (kept): ``x ≈ codes · scale + minimum``, error ≤ scale / 2
+    (a float8 scale rounded down clamps the top code: up to 3/16 of a step more)."""
     lo, hi = x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     scale = ((hi - lo) / (2**bits - 1)).clamp(min=1e-8)
+    if fp8_scale:
+        scale = _fp8(scale)
     codes = torch.round((x - lo) / scale).clamp(0, 2**bits - 1).to(torch.uint8)
     return codes, scale.to(x.dtype), lo
 
@@ -94,19 +141,38 @@ def _groups_of_channels(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def quantize_keys(k: torch.Tensor, s: KVScheme):
-    """``k`` (batch, heads, tokens, dim), tokens a multiple of ``group_size`` (per channel) unless no window."""
+    """``k`` (batch, heads, tokens, dim), tokens a multiple of ``key_group`` (per channel) unless no window."""
     if s.residual == 0:
-        return _minmax(_groups_of_channels(k, s.group_size), -1, s.bits)
+        return _minmax(_groups_of_channels(k, s.key_group), -1, s.bits, s.fp8_key_scales)
     b, h, n, d = k.shape
-    return _minmax(k.reshape(b, h, n // s.group_size, s.group_size, d), -2, s.bits)
+    return _minmax(k.reshape(b, h, n // s.key_group, s.key_group, d), -2, s.bits, s.fp8_key_scales)
+
+
+@functools.lru_cache(maxsize=8)
+def hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The orthonormal ``n × n`` Hadamard matrix (Sylvester's construction, ``n`` a power of 2)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"rotate_values needs a head dimension that is a power of 2, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
+    return (h / n**0.5).to(dtype=dtype, device=device)
 
 
 def quantize_values(v: torch.Tensor, s: KVScheme):
+    if s.rotate_values:
+        v = v @ hadamard(v.shape[-1], v.dtype, v.device)
     return _minmax(_groups_of_channels(v, s.group_size), -1, s.bits)
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, shape) -> torch.Tensor:
     return (codes.to(scale.dtype) * scale + minimum).reshape(shape)
+
+
+def dequantize_values(quantized: tuple, shape, s: KVScheme) -> torch.Tensor:
+    """``quantize_values``' inverse: back from the Hadamard basis with ``rotate_values``."""
+    v = dequantize(*quantized, shape)
+    return v @ hadamard(v.shape[-1], v.dtype, v.device).T if s.rotate_values else v
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False) -> torch.Tensor:
@@ -130,7 +196,7 @@ def round_trip(
         keys = rotate(dequantize(*quantize_keys(before, s), k.shape), *rotary)
     else:
         keys = dequantize(*quantize_keys(k, s), k.shape)
-    return keys, dequantize(*quantize_values(v, s), v.shape)
+    return keys, dequantize_values(quantize_values(v, s), v.shape, s)
 
 
 class KIVILayer(DynamicLayer):
@@ -185,7 +251,7 @@ class KIVILayer(DynamicLayer):
         keys = [dequantize(*qk, shape) for qk, _, shape, _ in self.chunks]
         if self.scheme.pre_rope:
             keys = [rotate(k, *self.rotary(start, k.shape[-2], k)) for k, (*_, start) in zip(keys, self.chunks)]
-        values = [dequantize(*qv, shape) for _, qv, shape, _ in self.chunks]
+        values = [dequantize_values(qv, shape, self.scheme) for _, qv, shape, _ in self.chunks]
         return torch.cat(keys, dim=-2), torch.cat(values, dim=-2)
 
     def get_seq_length(self) -> int:

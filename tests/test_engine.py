@@ -190,12 +190,20 @@ def test_kernel_timings_are_kept_per_machine(tmp_path, monkeypatch):
     assert again.formats == first.formats and again.timings == first.timings
 
 
-@pytest.mark.parametrize("sinks,pre_rope", [(0, False), (3, False), (3, True)])
-def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding(sinks, pre_rope):
+@pytest.mark.parametrize(
+    "sinks,options",
+    [
+        (0, {}),
+        (3, {}),
+        (3, {"pre_rope": True}),
+        (3, {"pre_rope": True, "key_group_size": 2, "fp8_key_scales": True, "rotate_values": True}),
+    ],
+)
+def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding(sinks, options):
     from compress import kv_quant
 
     model = tiny("llama", layers=2)
-    scheme = kv_quant.KVScheme(bits=2, group_size=4, residual=8, sinks=sinks, pre_rope=pre_rope)  # 2 bits: it matters
+    scheme = kv_quant.KVScheme(bits=2, group_size=4, residual=8, sinks=sinks, **options)  # 2 bits: it matters
     kv_quant.install(model, scheme)
     prompt = _prompt(21)
     kivi = greedy(model, prompt, 40, cache=kv_quant.new_cache(model)).tokens

@@ -54,6 +54,38 @@ def test_residual_window_and_sinks_stay_full_precision(sinks):
     assert layer.get_seq_length() == 40
 
 
+def test_fp8_key_scales_are_float8_values_near_the_exact_ones():
+    s = KVScheme(2, 16, 32, fp8_key_scales=True)
+    codes, scale, minimum = quantize_keys(KV, s)
+    assert torch.equal(scale.to(torch.float8_e4m3fn).float(), scale)  # e4m3 holds each exactly
+    plain = quantize_keys(KV, KVScheme(2, 16, 32))[1]
+    assert ((scale - plain).abs() <= plain / 16 + 1e-6).all()  # the nearest: within half an e4m3 step
+    # a scale rounded down clamps the top code: 3 levels × under 1/16 of a step, past the usual half
+    step = scale.expand(codes.shape).reshape(KV.shape)
+    assert ((kv_quant.dequantize(codes, scale, minimum, KV.shape) - KV).abs() <= step * (0.5 + 3 / 16) + 1e-5).all()
+
+
+def test_rotated_values_spread_an_outlying_channel():
+    """A value channel far larger than the rest sets a plain per-token group's step; in the
+    Hadamard basis it is spread over every channel, and the round trip is exact when unquantized."""
+    h = kv_quant.hadamard(16, torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(h @ h.T, torch.eye(16))
+    v = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(3))
+    v[..., 7] *= 20
+    plain, rotated = KVScheme(2, 16, 32), KVScheme(2, 16, 32, rotate_values=True)
+    error = {
+        s.rotate_values: (kv_quant.dequantize_values(quantize_values(v, s), v.shape, s) - v).square().mean()
+        for s in (plain, rotated)
+    }
+    assert error[True] < 0.6 * error[False]
+    lossless = KVScheme(8, 16, 32, rotate_values=True)
+    torch.testing.assert_close(
+        kv_quant.dequantize_values(quantize_values(v, lossless), v.shape, lossless), v, atol=0.1, rtol=0
+    )
+    with pytest.raises(ValueError, match="power of 2"):
+        kv_quant.hadamard(12, torch.float32, torch.device("cpu"))
+
+
 def test_bytes_per_token_counts_codes_scales_and_minima():
     s = KVScheme(4, 16, 32)
     k = KV[:1, :1]  # one layer, one head: 64 tokens × 32 dims
@@ -62,6 +94,10 @@ def test_bytes_per_token_counts_codes_scales_and_minima():
         codes, scale, minimum = quantize(k, s)
         stored += codes.numel() * s.bits / 8 + (scale.numel() + minimum.numel()) * 2  # fp16 scales
     assert s.bytes_per_token(layers=1, kv_heads=1, head_dim=32) == pytest.approx(stored / 64)
+    # keys of 8 tokens with 1-byte scales: 32 channels × 3 bytes / 8 tokens; values as before
+    small = KVScheme(4, 16, 32, key_group_size=8, fp8_key_scales=True)
+    values = 32 * 2 * 2 / 16
+    assert small.bytes_per_token(1, 1, 32) == pytest.approx(2 * 32 * 4 / 8 + 32 * 3 / 8 + values)
     assert kv_quant.dense_bytes_per_token(1, 1, 32) == 2 * 32 * 2
 
 
@@ -76,6 +112,8 @@ def test_bytes_per_token_counts_codes_scales_and_minima():
         KVScheme(2, 16, 0, 4),
         KVScheme(2, 16, 32, 4, pre_rope=True),
         KVScheme(2, 16, 0, pre_rope=True),
+        KVScheme(2, 16, 32, 4, True, key_group_size=8, fp8_key_scales=True, rotate_values=True),
+        KVScheme(2, 8, 0, key_group_size=16, rotate_values=True),
     ],
 )
 def test_simulated_evaluation_equals_decoding_with_the_cache(model_type, scheme):
@@ -126,6 +164,9 @@ def test_scheme_is_exported_and_reinstalled(tmp_path):
         "residual": 128,
         "sinks": 0,
         "pre_rope": True,
+        "key_group_size": None,
+        "fp8_key_scales": False,
+        "rotate_values": False,
     }
     assert kv_quant.scheme_of(reloaded) == KVScheme(2, 16, 128, pre_rope=True)
     assert isinstance(kv_quant.new_cache(reloaded), KIVICache)
@@ -143,6 +184,10 @@ def test_scheme_is_exported_and_reinstalled(tmp_path):
             r"passes\[0\].kv_cache: residual \(20\) must be 0 or a multiple",
         ),
         ("  - kv_cache: {bits: 3}\n", r"passes\[0\].kv_cache.bits"),
+        (
+            "  - kv_cache: {group_size: 16, residual: 32, key_group_size: 12}\n",
+            r"passes\[0\].kv_cache: residual \(32\) must be 0 or a multiple of key_group_size \(12\)",
+        ),
     ],
 )
 def test_bad_kv_options_are_refused(passes, message):

@@ -22,6 +22,9 @@ class KVCacheOptions(PassOptions):
     residual: int = Field(128, ge=0)  # recent tokens in full precision: 0, or a multiple of group_size
     sinks: int = Field(0, ge=0)  # the first tokens in full precision for good (attention sinks)
     pre_rope: bool = False  # keys quantized before the rotary embedding (KVQuant)
+    key_group_size: int | None = Field(None, gt=0)  # tokens sharing a key channel's scale; default group_size
+    fp8_key_scales: bool = False  # key scales in float8 e4m3, minima in 16 bits
+    rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot); head_dim a power of 2
 
 
 class KVCachePass(LayerPass):
@@ -33,7 +36,7 @@ class KVCachePass(LayerPass):
     def __init__(self, options, where):
         super().__init__(options, where)
         try:
-            self.scheme = KVScheme(options.bits, options.group_size, options.residual, options.sinks, options.pre_rope)
+            self.scheme = KVScheme(**options.model_dump())
         except ValueError as e:
             raise RecipeError(f"{where}: {e}") from None
 
@@ -46,6 +49,15 @@ class KVCachePass(LayerPass):
             raise RecipeError(
                 f"{self.where}.group_size: {self.scheme.group_size} does not divide the head "
                 f"dimension {head_dim}; use a divisor of it"
+            )
+        if self.scheme.residual == 0 and head_dim % self.scheme.key_group:
+            raise RecipeError(
+                f"{self.where}.key_group_size: without a window keys are grouped by channel, and "
+                f"{self.scheme.key_group} does not divide the head dimension {head_dim}; use a divisor of it"
+            )
+        if self.scheme.rotate_values and head_dim & (head_dim - 1):
+            raise RecipeError(
+                f"{self.where}.rotate_values: the head dimension {head_dim} is not a power of 2; turn it off"
             )
 
     def apply(self, block, data, prefix: str) -> None:
