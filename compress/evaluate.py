@@ -107,8 +107,11 @@ def final_hidden(
         cast_params(norm, *home)
 
 
-def _score(data: torch.Tensor, hidden: dict[str, list[torch.Tensor]], heads: dict, scores: dict) -> None:
-    for w, window in enumerate(data):
+def _score(
+    data: torch.Tensor, hidden: dict[str, list[torch.Tensor]], heads: dict, scores: dict, progress: bool = True
+) -> None:
+    # minutes with a large vocabulary (Gemma-3's 262k): a bar, not silence
+    for w, window in enumerate(tqdm(data, desc="scoring", unit="window", disable=not progress)):
         targets = window[1:]
         chunk = max(1, (1 << 26) // max(vocab for _, vocab in heads.values()))
         for start in range(0, len(targets), chunk):  # a window's logits are ~400 MB: a chunk at a time
@@ -185,7 +188,7 @@ def evaluate_many(
     with contextlib.ExitStack() as stack:
         for m in everyone.values():
             stack.enter_context(_head_for_compute(m.model, device))
-        _score(data, hidden, heads, scores)
+        _score(data, hidden, heads, scores, progress)
     for sc in scores.values():  # sums over every rank's windows
         sc.nll, sc.kl, sc.agree, sc.count = distributed.total(sc.nll, sc.kl, sc.agree, sc.count)
     protocol = f"{describe_source(source, 'test')}, {windows} × {seqlen} tokens"
