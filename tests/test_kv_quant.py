@@ -194,3 +194,9 @@ def test_bad_kv_options_are_refused(passes, message):
     with pytest.raises(RecipeError, match=message):
         recipe = parse("passes:\n" + passes)
         recipe.passes[0].check(tiny("llama"))
+
+
+def test_rotated_values_need_a_power_of_2_head_dimension():
+    recipe = parse("passes:\n  - kv_cache: {bits: 2, group_size: 4, rotate_values: true}\n")
+    with pytest.raises(RecipeError, match=r"passes\[0\].kv_cache.rotate_values: .*power of 2, got 12; turn it off"):
+        recipe.passes[0].check(tiny("llama", hidden=48))  # head dimension 12

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from pydantic import Field
 
 from ..arch import decoder_layers
-from ..kv_quant import KVScheme, attention_modules
+from ..kv_quant import KVScheme, attention_modules, hadamard
 from .base import LayerPass, PassOptions, RecipeError
 
 
@@ -55,10 +56,11 @@ class KVCachePass(LayerPass):
                 f"{self.where}.key_group_size: without a window keys are grouped by channel, and "
                 f"{self.scheme.key_group} does not divide the head dimension {head_dim}; use a divisor of it"
             )
-        if self.scheme.rotate_values and head_dim & (head_dim - 1):
-            raise RecipeError(
-                f"{self.where}.rotate_values: the head dimension {head_dim} is not a power of 2; turn it off"
-            )
+        if self.scheme.rotate_values:
+            try:
+                hadamard(head_dim, torch.float32, torch.device("cpu"))
+            except ValueError as e:
+                raise RecipeError(f"{self.where}.rotate_values: {e}; turn it off") from None
 
     def apply(self, block, data, prefix: str) -> None:
         for attention in attention_modules(block):
