@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from compress.decode import DecodeError, DraftModel, PromptLookup, greedy, kernels, layer_subset, speculate
+from compress.decode import DecodeError, DraftModel, PromptLookup, greedy, kernels, layer_subset, native, speculate
 from compress.decode import engine as engine_code
 from compress.decode.engine import Engine
 from tests.conftest import compress_with, tiny
@@ -304,6 +304,27 @@ def test_compiled_verify_steps_round_as_compiled_one_token_steps(package_folder)
     result = speculate(engine, prompt, 24, PromptLookup(), k=8)  # k is capped at 3: the step takes 4 tokens
     assert result.tokens == plain.tokens and result.accepted > 0
     assert result.proposed <= 3 * (result.forwards - 1)
+
+
+def test_compiled_steps_on_native_kernels_take_exactly_their_tokens(package_folder):
+    """On our kernels, which compute every row alone, the compiled graph takes 1 to ``step_rows``
+    rows unpadded (a one-token step pays for one row): a 4-token verify step still equals 4
+    one-token steps bit for bit, so prompt lookup on it gives the compiled greedy's tokens."""
+    if not native.available():
+        pytest.skip("our kernels need an x86 CPU with AVX2 and a C++ compiler")
+    model = tiny("llama", hidden=128).to(torch.bfloat16)
+    engine = Engine(model, kernel="bf16-avx2", compile=True)
+    assert set(engine.formats.values()) == {"bf16-avx2"} and engine.rows_alone and engine.step_tokens == 8
+    prompt = _prompt(56)
+    plain = greedy(engine, prompt, 24)
+    _compiled_or_skip(engine)
+    engine.reset()
+    engine.forward(prompt[0])
+    together = engine.forward([5, 17, 99, 3])
+    engine.crop(4)
+    assert torch.equal(together, torch.cat([engine.forward([t]) for t in [5, 17, 99, 3]]))
+    result = speculate(engine, prompt, 24, PromptLookup(), k=7)
+    assert result.tokens == plain.tokens and result.accepted > 0
 
 
 def test_eager_fallback_when_compiling_fails(package_folder, capsys):

@@ -243,9 +243,13 @@ class Engine:
         self._allocate(max_len + (2 * SPAN_ALIGN if compile else 0))
         self.kv_scheme, self.quantized_upto = kv_quant.scheme_of(model) if kivi else None, 0
         self.compiled, self.compile_seconds, self.note, self.exited = None, 0.0, "", None
+        # a compiled step whose every row is computed alone (our kernels and attention) takes exactly
+        # its tokens' rows (``_run_compiled``): no padding, so a one-token step pays for one row
+        self.rows_alone = compile and self.native_attention and all(map(kernels.rows_alone, self.formats.values()))
         if step_rows is None:  # extra rows ride along with a float GEMM's weight reads, not with an integer
             # kernel's on a CPU; a GPU's step at a few rows is launch-bound whatever the kernel
-            step_rows = STEP_ROWS if self.graphs or all(map(kernels.rows_ride_along, self.formats.values())) else 1
+            ride_along = self.graphs or self.rows_alone or all(map(kernels.rows_ride_along, self.formats.values()))
+            step_rows = STEP_ROWS if ride_along else 1
         if not 1 <= step_rows <= kernels.VERIFY_ROWS:
             raise DecodeError(f"step_rows={step_rows}: give 1 to {kernels.VERIFY_ROWS}")
         self.step_rows = step_rows
@@ -404,10 +408,12 @@ class Engine:
         Lossless speculation needs a token's logits in a verify step to equal, bit for bit, its
         logits in a one-token step, so both run the same code: the tokens are padded to
         ``step_rows`` rows (copies of the last one, written to cache slots past the real ones,
-        which no real row attends to and a later step overwrites), and attention spans a multiple
+        which no real row attends to and a later step overwrites; not where every row is computed
+        alone, ``rows_alone``: there the graph takes 1 to ``step_rows`` rows), and attention spans a multiple
         of ``SPAN_ALIGN`` slots (the compiled softmax sums a span's last partial block of 16 in
         another order; the masked slots past a token add exact zeros)."""
-        count, rows = ids.numel(), self.step_rows
+        count = ids.numel()
+        rows = count if self.rows_alone else self.step_rows  # (rows computed alone: no padding needed)
         span = -(-(start + rows) // SPAN_ALIGN) * SPAN_ALIGN
         if span > self.max_len:
             self._allocate(max(2 * self.max_len, span + SPAN_ALIGN))
@@ -746,9 +752,10 @@ def _compiled(engine: Engine):
             tables,
         )
         span, slots = torch.export.Dim("span", min=2), torch.export.Dim("slots", min=2)
+        count = {0: torch.export.Dim("rows", min=1, max=engine.step_rows)} if engine.rows_alone else None
         dynamic = (
-            None,
-            None,
+            count,
+            count,
             {0: span},
             [{2: slots}] * len(cache),
             [{2: slots}] * len(cache),

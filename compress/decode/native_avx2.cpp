@@ -80,6 +80,8 @@ void check_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
 
 // y = x @ w.T for bf16 w [N, K] (K % 16 == 0). A 32-bit lane holds two weights: the even one is
 // its low half shifted up, the odd one its high half masked, so x is split into even and odd once.
+// Each weight row meets every row of x while it is in L1 (read from memory once for a verify step's
+// rows), each product summed as a one-row call sums it: a row's output never depends on the others.
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) % 16 == 0,
               "weight: a contiguous 2-D bf16 tensor, width a multiple of 16");
@@ -89,16 +91,20 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const int32_t* wp = reinterpret_cast<const int32_t*>(w.data_ptr<at::BFloat16>());
   float* yp = y.data_ptr<float>();
+  float* split = scratch<float, 0>(M * K);  // row m: its even values [H], then its odd ones [H]
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t k = 0; k < H; ++k) {
+      split[m * K + k] = xp[m * K + 2 * k];
+      split[m * K + H + k] = xp[m * K + 2 * k + 1];
+    }
+  }
+  const float* sp = split;
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     const __m256i high = _mm256_set1_epi32(0xFFFF0000);
-    float *even = scratch<float, 0>(2 * H), *odd = even + H;
-    for (int64_t m = 0; m < M; ++m) {
-      for (int64_t k = 0; k < H; ++k) {
-        even[k] = xp[m * K + 2 * k];
-        odd[k] = xp[m * K + 2 * k + 1];
-      }
-      for (int64_t n = begin; n < end; ++n) {
-        const int32_t* row = wp + n * H;
+    for (int64_t n = begin; n < end; ++n) {
+      const int32_t* row = wp + n * H;
+      for (int64_t m = 0; m < M; ++m) {
+        const float *even = sp + m * K, *odd = even + H;
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
         int64_t k = 0;
         for (; k + 16 <= H; k += 16) {
@@ -190,7 +196,7 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   const int32_t* wp = packed.data_ptr<int32_t>();
   const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  float *sums = scratch<float, 1>(G), *scaled = scratch<float, 2>(K);
+  float *sums = scratch<float, 1>(M * G), *scaled = scratch<float, 2>(M * K);
   __m256 power[8];  // 16^-j, exact
   for (int j = 0; j < 8; ++j) power[j] = _mm256_set1_ps(j == 7 ? 1.f : std::ldexp(1.f, -4 * j));
   for (int64_t m = 0; m < M; ++m) {
@@ -198,17 +204,19 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
     for (int64_t g = 0; g < G; ++g) {
       float s = 0.f;
       for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xr[k];
-      sums[g] = s;
+      sums[m * G + g] = s;
     }
     for (int64_t k = 0; k < K; k += 8) {
-      _mm256_storeu_ps(scaled + k, _mm256_mul_ps(_mm256_loadu_ps(xr + k), power[(k % 64) / 8]));
+      _mm256_storeu_ps(scaled + m * K + k, _mm256_mul_ps(_mm256_loadu_ps(xr + k), power[(k % 64) / 8]));
     }
-    const float *xs = scaled, *gs = sums;
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n)
-        yp[m * N + n] = w4_row(wp + n * (K / 8), sp + n * G, op + n * G, K, G, group, xs, gs);
-    });
   }
+  const float *xs = scaled, *gs = sums;
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // a weight row meets every row (as bf16_matmul)
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t m = 0; m < M; ++m)
+        yp[m * N + n] = w4_row(wp + n * (K / 8), sp + n * G, op + n * G, K, G, group, xs + m * K, gs + m * G);
+    }
+  });
   return y;
 }
 
@@ -287,10 +295,13 @@ at::Tensor int4_matmul_aq(const at::Tensor& x, const at::Tensor& packed, const a
   const int32_t* wp = packed.data_ptr<int32_t>();
   const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  int8_t* values = scratch<int8_t, 3>(Wide ? 2 * K : K);
-  float *block_scale = scratch<float, 4>(B), *sums = scratch<float, 5>(G);
+  const int64_t V = Wide ? 2 * K : K;  // a row's int8 values
+  int8_t* all_values = scratch<int8_t, 3>(M * V);
+  float *all_block_scales = scratch<float, 4>(M * B), *all_sums = scratch<float, 5>(M * G);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = xp + m * K;
+    int8_t* values = all_values + m * V;
+    float *block_scale = all_block_scales + m * B, *sums = all_sums + m * G;
     for (int64_t g = 0; g < G; ++g) sums[g] = 0.f;
     const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
     for (int64_t blk = 0; blk < B; ++blk) {
@@ -319,13 +330,16 @@ at::Tensor int4_matmul_aq(const at::Tensor& x, const at::Tensor& packed, const a
       store_block_bytes(q, values + blk * 32, values + K / 2 + blk * 32);
       sums[blk / per] += hsum(sum);
     }
-    const int8_t* vp = values;
-    const float *bp = block_scale, *gp = sums;
-    at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n)
-        yp[m * N + n] = w4aq_row<Wide>(wp + n * (K / 8), sp + n * G, op + n * G, K, G, per, vp, bp, gp);
-    });
   }
+  const int8_t* vp = all_values;
+  const float *bp = all_block_scales, *gp = all_sums;
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // a weight row meets every row (as bf16_matmul)
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t m = 0; m < M; ++m)
+        yp[m * N + n] = w4aq_row<Wide>(wp + n * (K / 8), sp + n * G, op + n * G, K, G, per, vp + m * V, bp + m * B,
+                                       gp + m * G);
+    }
+  });
   return y;
 }
 
