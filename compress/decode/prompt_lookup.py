@@ -11,18 +11,21 @@ def default_token_cost(target) -> float:
     """What one more token costs in a forward of ``target`` (a model or a runner), as a share of a
     one-token forward.
 
-    Float linears on a CPU take more rows for little more than their weight reads (about 0.05);
-    a kernel that works row by row (``kernels.rows_ride_along``: the int4 and int8 kernels, bf16
-    on an AVX2-only CPU) pays most of a step per row, priced at 0.7, so candidates are sent only
-    where they are nearly sure. A GPU step and a compiled step compute a fixed number of rows
-    (``Engine.step_rows``): more tokens are free. The measurements behind both numbers
+    Float linears on a CPU take more rows for little more than their weight reads (about 0.05).
+    Our bf16 kernel reads a weight row once for all rows and pays arithmetic per row (about 0.25:
+    SmolLM2's compiled step on a Xeon took 1.32x / 1.76x / 2.68x a one-token step at 2 / 4 / 8
+    rows); the int4 and int8 kernels pay most of a step per row, priced at 0.7, so candidates are
+    sent only where they are nearly sure. A GPU step and a padded compiled step compute a fixed
+    number of rows (``Engine.step_rows``): more tokens are free. The measurements
     (``scripts/step_cost.py``): docs/decoder.md, "What a verify row costs".
     """
-    if getattr(target, "compiled", None) is not None or target.device.type != "cpu":
+    padded = getattr(target, "compiled", None) is not None and not getattr(target, "rows_alone", False)
+    if padded or target.device.type != "cpu":
         return 0.0
-    if not all(kernels.rows_ride_along(fmt) for fmt in getattr(target, "formats", {}).values()):
-        return 0.7
-    return 0.05
+    formats = set(getattr(target, "formats", {}).values())
+    if all(kernels.rows_ride_along(fmt) for fmt in formats):
+        return 0.05
+    return 0.25 if all(kernels.rows_ride_along(fmt) or fmt == "bf16-avx2" for fmt in formats) else 0.7
 
 
 class PromptLookup:
