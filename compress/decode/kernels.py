@@ -468,16 +468,8 @@ def rows_alone(fmt: str) -> bool:
     """Whether the format's kernel computes every row alone, as a one-row call does, whatever the
     number of rows (our ``native`` kernels: each weight row meets the rows one after another), so a
     compiled step can take exactly as many rows as it has tokens. Their extra rows cost arithmetic,
-    not weight reads (SmolLM2's bf16 products: 2 rows 1.24x one row, 4 rows 1.69x, on a Xeon)."""
+    not weight reads (SmolLM2's bf16 products on a Xeon: 2 rows 1.09x one row, 4 rows 1.50x, 8 2.53x)."""
     return fmt in native.FORMATS
-
-
-# A compiled engine keeps a native format unless a float GEMM is faster by more than this: only the
-# native ones give verify steps of any row count (``rows_alone``: speculation pays on them, which a
-# one-row timing does not see), and one side's one-row timing moved by up to a third between runs on
-# a Xeon whose 260 MB last-level cache holds a group's weights in part (SmolLM2's gate/up projection
-# on our bf16 kernel: 4.6 to 7.0 ms; its lm_head: 1.2 to 1.5 ms).
-NATIVE_MARGIN = 1.35
 
 
 def rounds_rows(fmt: str) -> bool:
@@ -680,8 +672,7 @@ def choose(
     format per group to use whatever the weights are. ``compiled`` (a CPU engine under
     AOTInductor): the float formats all become the compiler's own GEMM, so ``auto``
     offers only bf16 among them where it is exact (half the bytes of fp32; what eager
-    timings say of oneDNN and MKL does not carry over), and keeps a native format within
-    ``NATIVE_MARGIN`` of the fastest.
+    timings say of oneDNN and MKL does not carry over).
     """
     formats, timings = {}, {}
     for name, layers in groups.items():
@@ -718,12 +709,7 @@ def choose(
                     del built
                 _keep_timed(key, measured, device)
             timings[name] = measured
-            formats[name] = min(measured, key=measured.get)
-            natives = [f for f in measured if rows_alone(f)]
-            if compiled and natives and not rows_alone(formats[name]):
-                best_native = min(natives, key=measured.get)
-                if measured[best_native] <= NATIVE_MARGIN * measured[formats[name]]:
-                    formats[name] = best_native
+            formats[name] = min(timings[name], key=timings[name].get)
         elif kernel in exact or exact == ["w8a8"]:  # W8A8 has one format
             formats[name] = kernel if kernel in exact else exact[0]
         elif "dense" in exact:  # an accelerator: its own dtype

@@ -78,10 +78,37 @@ void check_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
 
 }  // namespace
 
-// y = x @ w.T for bf16 w [N, K] (K % 16 == 0). A 32-bit lane holds two weights: the even one is
-// its low half shifted up, the odd one its high half masked, so x is split into even and odd once.
-// Each weight row meets every row of x while it is in L1 (read from memory once for a verify step's
-// rows), each product summed as a one-row call sums it: a row's output never depends on the others.
+// One bf16 weight row (as int32 lanes of two weights, H = K / 2 of them) times a row split into even
+// and odd values. A 32-bit lane holds two weights: the even one is its low half shifted up, the odd
+// one its high half masked. ``Ahead``: also prefetch the weights 4 KB ahead (streaming SmolLM2's bf16
+// products from memory took 12.4 ms a token with it, 16.3 without, on a Xeon with 2 threads; 1 KB
+// ahead 13.8, 2 KB 13.0; prefetching a row's next 4 KB before its products: 13.7).
+template <bool Ahead>
+inline float bf16_row(const int32_t* row, const float* even, const float* odd, int64_t H) {
+  const __m256i high = _mm256_set1_epi32(0xFFFF0000);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 16 <= H; k += 16) {
+    if (Ahead) _mm_prefetch(reinterpret_cast<const char*>(row + k) + 4096, _MM_HINT_T0);
+    __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+    __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k + 8));
+    a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), _mm256_loadu_ps(even + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b0, high)), _mm256_loadu_ps(odd + k), a1);
+    a2 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b1, 16)), _mm256_loadu_ps(even + k + 8), a2);
+    a3 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b1, high)), _mm256_loadu_ps(odd + k + 8), a3);
+  }
+  for (; k < H; k += 8) {
+    __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+    a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), _mm256_loadu_ps(even + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b0, high)), _mm256_loadu_ps(odd + k), a1);
+  }
+  return hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+}
+
+// y = x @ w.T for bf16 w [N, K] (K % 16 == 0); x is split into even and odd values once. Each weight
+// row meets every row of x while it is in L1 (read from memory once for a verify step's rows, the
+// first row's pass prefetching), each product summed as a one-row call sums it: a row's output never
+// depends on the others.
 at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.is_contiguous() && w.size(1) % 16 == 0,
               "weight: a contiguous 2-D bf16 tensor, width a multiple of 16");
@@ -100,28 +127,10 @@ at::Tensor bf16_matmul(const at::Tensor& x, const at::Tensor& w) {
   }
   const float* sp = split;
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    const __m256i high = _mm256_set1_epi32(0xFFFF0000);
     for (int64_t n = begin; n < end; ++n) {
       const int32_t* row = wp + n * H;
-      for (int64_t m = 0; m < M; ++m) {
-        const float *even = sp + m * K, *odd = even + H;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        int64_t k = 0;
-        for (; k + 16 <= H; k += 16) {
-          __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
-          __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k + 8));
-          a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), _mm256_loadu_ps(even + k), a0);
-          a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b0, high)), _mm256_loadu_ps(odd + k), a1);
-          a2 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b1, 16)), _mm256_loadu_ps(even + k + 8), a2);
-          a3 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b1, high)), _mm256_loadu_ps(odd + k + 8), a3);
-        }
-        for (; k < H; k += 8) {
-          __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
-          a0 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(b0, 16)), _mm256_loadu_ps(even + k), a0);
-          a1 = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(b0, high)), _mm256_loadu_ps(odd + k), a1);
-        }
-        yp[m * N + n] = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-      }
+      yp[n] = bf16_row<true>(row, sp, sp + H, H);
+      for (int64_t m = 1; m < M; ++m) yp[m * N + n] = bf16_row<false>(row, sp + m * K, sp + m * K + H, H);
     }
   });
   return y;
