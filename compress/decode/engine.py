@@ -417,7 +417,7 @@ class Engine:
         span = -(-(start + rows) // SPAN_ALIGN) * SPAN_ALIGN
         if span > self.max_len:
             self._allocate(max(2 * self.max_len, span + SPAN_ALIGN))
-        padded = torch.cat([ids, ids[-1:].expand(rows - count)])
+        padded = ids if rows == count else torch.cat([ids, ids[-1:].expand(rows - count)])
         positions = torch.arange(start, start + rows, device=self.device)
         first, clock = not self.compile_seconds, time.perf_counter()
         try:
