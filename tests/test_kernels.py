@@ -105,12 +105,12 @@ def test_bf16_without_onednn_runs_on_aten_and_decodes_as_with_it(monkeypatch):
 needs_native = pytest.mark.skipif(not native.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
 
 
-def _random_w4(group: int):
-    """(generator, codes 48×256, scale, offset, the codes packed for our kernels), seeded by ``group``."""
+def _random_w4(group: int, width: int = 256):
+    """(generator, codes 48×width, scale, offset, the codes packed for our kernels), seeded by ``group``."""
     generator = torch.Generator().manual_seed(group)
-    u = torch.randint(0, 16, (48, 256), generator=generator)
-    scale = torch.rand(48, 256 // group, generator=generator) / 16
-    offset = torch.randn(48, 256 // group, generator=generator) / 4
+    u = torch.randint(0, 16, (48, width), generator=generator)
+    scale = torch.rand(48, width // group, generator=generator) / 16
+    offset = torch.randn(48, width // group, generator=generator) / 4
     return generator, u, scale, offset, native.pack_int4(u)
 
 
@@ -133,17 +133,18 @@ def test_native_int4_product_computes_the_dequantized_weights(group):
 
 @needs_native
 @pytest.mark.parametrize("group", [64, 128])
+@pytest.mark.parametrize("width", [256, 640])  # 4 blocks; 10 (the kernel takes 8 at a time, then the rest)
 @pytest.mark.parametrize("op, limit", [("int4_matmul_a8", 127), ("int4_matmul_a16", 32639)])
-def test_native_w4aq_product_rounds_each_block_of_64_values(group, op, limit):
+def test_native_w4aq_product_rounds_each_block_of_64_values(group, width, op, limit):
     """W4A8 rounds a block of 64 values to int8 (max|x| / 127 a step), W4A16 to max|x| / 32639
     (two int8 parts a value); the integer products are exact, the offset term meets the unrounded
     values."""
-    generator, u, scale, offset, packed = _random_w4(group)
-    x = torch.randn(5, 256, generator=generator)
+    generator, u, scale, offset, packed = _random_w4(group, width)
+    x = torch.randn(5, width, generator=generator)
     x[1, 64:128] = 0  # a block of zeros: scale 0, no division by it
-    blocks = x.reshape(5, 4, 64)
+    blocks = x.reshape(5, width // 64, 64)
     step = blocks.abs().amax(-1, keepdim=True) / limit
-    rounded = (torch.round(blocks / step.clamp(min=1e-30)) * step).reshape(5, 256)  # ties to even, as the kernel
+    rounded = (torch.round(blocks / step.clamp(min=1e-30)) * step).reshape(5, width)  # ties to even, as the kernel
     expected = rounded @ (u.float() * scale.repeat_interleave(group, 1)).T + x @ offset.repeat_interleave(group, 1).T
     product = getattr(torch.ops.compress, op)(x, packed, scale, offset, group)
     torch.testing.assert_close(product, expected, atol=1e-4, rtol=1e-5)
