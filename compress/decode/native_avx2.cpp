@@ -47,9 +47,8 @@ inline __m256 sums8(const __m256* a) {
 // so the ~150 products and attentions of a decode step do not each allocate and free their working
 // vectors (malloc showed in a profile of the W4 step). Inside a parallel region it is the running
 // thread's buffer: take the pointer where it is used, never through a lambda's capture from another
-// thread.
-// 64-byte aligned, so no load of it splits a cache line (the W4 products ran 4-8% slower on a buffer
-// that happened to sit off a line).
+// thread. 64-byte aligned, so no load of it splits a cache line (the W4 products ran 4-8% slower on
+// a buffer that happened to sit off a line).
 template <typename T, int Use>
 T* scratch(size_t n) {
   thread_local std::vector<T> buffer;
@@ -293,11 +292,12 @@ inline float w4aq_row(const int32_t* row, const float* srow, const float* orow, 
       _mm_prefetch(reinterpret_cast<const char*>(row + (b0 + j) * 8) + 4096, _MM_HINT_T0);
       d[j] = block_product<Wide>(row + (b0 + j) * 8, values + (b0 + j) * 32, K);
     }
-    const float* s = srow;  // the blocks' weight scales: one per block, or per group of ``per`` blocks
+    // the blocks' weight scales: one per block, or one per group of ``per`` blocks
     const __m256 weight_scale =
-        per == 1 ? _mm256_loadu_ps(s + b0)
-                 : _mm256_setr_ps(s[b0 / per], s[(b0 + 1) / per], s[(b0 + 2) / per], s[(b0 + 3) / per],
-                                  s[(b0 + 4) / per], s[(b0 + 5) / per], s[(b0 + 6) / per], s[(b0 + 7) / per]);
+        per == 1 ? _mm256_loadu_ps(srow + b0)
+                 : _mm256_setr_ps(srow[b0 / per], srow[(b0 + 1) / per], srow[(b0 + 2) / per], srow[(b0 + 3) / per],
+                                  srow[(b0 + 4) / per], srow[(b0 + 5) / per], srow[(b0 + 6) / per],
+                                  srow[(b0 + 7) / per]);
     const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(block_scale + b0), weight_scale);
     total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int_sums8(d)), scale, total);
     if (per == 1) total = _mm256_fmadd_ps(_mm256_loadu_ps(orow + b0), _mm256_loadu_ps(sums + b0), total);
