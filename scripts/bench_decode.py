@@ -9,7 +9,9 @@ wikitext-2 test passage and a request to repeat or summarise it: the output reus
 and "open" (open-ended requests). Rows: transformers' eager greedy (fp32, as our evaluation
 computes, and bf16), transformers' static cache + ``torch.compile`` as its docs recommend, our
 engine eager and compiled (kernels chosen by timing), W4 (an export given with ``--w4``, else
-the model rounded to W4 in memory: the same kernel and bytes), W4A8 on a CPU with our kernels
+the model rounded to W4 in memory: the same kernel and bytes; with the exact lm_head, with
+``--lm-head argmax`` on a CPU with our kernels, compared token for token with the exact head's
+row, and with a lossy int4 lm_head), W4A8 on a CPU with our kernels
 (the same W4 weights, each step's rows rounded to int8: ``--kernel int4-a8``), W8A8 (``--w8a8``), prompt lookup,
 a W4 copy of the model drafting for it (alone and behind prompt lookup; both speculative
 methods also on the compiled target, whose verify steps round as its one-token steps), lookahead, early exit
@@ -246,6 +248,11 @@ def main() -> None:
         rows[f"ours W4 greedy ({Path(args.w4).name}), {how}"] = engine_row(w4_model, **w4)
     else:
         rows[f"ours W4 greedy (RTN in memory), {how}"] = engine_row(base, quantize="w4", **w4)
+    w4_exact = next(name for name in rows if name.startswith("ours W4 greedy ("))
+    same_as = {}  # rows whose tokens must equal another row's, not our dense greedy's
+    if not cuda and native.available():  # int8 scores, the largest logit exact: the exact head's tokens
+        argmax = f"ours W4 greedy + argmax lm_head (exact), {how}"
+        rows[argmax], same_as[argmax] = engine_row(base, quantize="w4", lm_head="argmax", **w4), w4_exact
     rows[f"ours W4 greedy + int4 lm_head (lossy), {how}"] = engine_row(base, quantize="w4", lm_head="int4", **w4)
     if not cuda:  # the fp32 stream's KV cache in bf16: half the attention reads (a bf16 stream has it already)
         rows["ours W4 greedy + int4 lm_head + bf16 KV cache (lossy), compiled"] = engine_row(
@@ -343,7 +350,9 @@ def main() -> None:
         reference = outputs.get("transformers eager greedy, bf16")
         for name, (_, bytes_per_token, compile_s) in built.items():
             # speculation must reproduce the greedy of its own engine: compiled rows compare with compiled greedy
-            ours_greedy = outputs.get("ours greedy, compiled" if name.endswith(", compiled") else ours_name)
+            ours_greedy = outputs.get(
+                same_as.get(name, "ours greedy, compiled" if name.endswith(", compiled") else ours_name)
+            )
             tokens = sum(map(len, outputs[name]))
             rate = tokens / seconds[name]
             same, same_ours = (

@@ -40,7 +40,11 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--quantize", choices=["w4"], help="round the block linears to W4 in memory (lossy)")
-    parser.add_argument("--lm-head", choices=["int4", "int8"], help="quantize lm_head for decoding (lossy)")
+    parser.add_argument(
+        "--lm-head",
+        choices=["int4", "int8", "argmax"],
+        help="quantize lm_head for decoding (lossy), or argmax: its largest logit exact, the others int8",
+    )
     parser.add_argument(
         "--compile", action="store_true", help="also the compiled engine's table, and its one-token step against eager"
     )

@@ -102,6 +102,17 @@ def test_decode_rounds_the_lm_head_only_when_asked():
     assert "lm_head: int4-a8" in result.stderr and "qkv: bf16-avx2" in result.stderr
 
 
+@pytest.mark.skipif(not native.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
+def test_decode_argmax_head_decodes_greedily_only():
+    args = ("decode", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "4", "--lm-head", "argmax")
+    result = run(*args, "--method", "greedy")
+    assert result.returncode == 0 and result.stdout.strip(), result.stderr[-2000:]
+    assert "lm_head: int8-argmax" in result.stderr
+    result = run(*args, "--temperature", "0.7")
+    assert result.returncode == 2 and "--lm-head argmax makes only the largest logit exact" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_decode_prompt_lookup_prints_the_greedy_output():
     prompt = "Repeat after me: the quick brown fox jumps over the lazy dog."
     # one named kernel: ``auto`` keeps its timings per machine, but the first two processes on a

@@ -159,6 +159,56 @@ def test_native_w4aq_product_rounds_each_block_of_64_values(group, width, op, li
 
 
 @needs_native
+@pytest.mark.parametrize("width", [576, 640])  # 9 blocks of 64; 10 (the kernel takes 8 at a time, then the rest)
+def test_argmax_head_finds_the_bf16_products_largest_logit(width):
+    """int8 scores, a proven bound on their error, and the rows that may still hold the largest
+    recomputed from bf16: the largest logit's position and value are ``bf16_matmul``'s bit for bit,
+    also where two rows differ in one bf16 step and a channel is 40x the others, with a few rows
+    recomputed, not all; each row alone, as a one-row call computes it."""
+    generator = torch.Generator().manual_seed(width)
+    weight = (torch.randn(3000, width, generator=generator) / 20).bfloat16()
+    weight[7] = weight[3]
+    weight[7].view(torch.int16)[width // 2] += 1  # one bf16 step apart: the int8 scores cannot tell
+    x = torch.randn(6, width, generator=generator) / 4
+    x[:4] += weight[3].float() * 20  # rows 3 and 7 nearly tie at the top
+    x[:, 9] *= 40  # an outlier channel
+    head = kernels.build(kernels.ARGMAX, [_linear(weight)], CPU)
+    got = head(x)
+    exact = torch.ops.compress.bf16_matmul(x, weight)
+    assert torch.equal(got.argmax(-1), exact.argmax(-1)) and torch.equal(got.amax(-1), exact.amax(-1))
+    assert set(exact.argmax(-1)[:4].tolist()) <= {3, 7}
+    assert ((got == exact).sum(-1) < 50).all()  # the rest keep their int8 scores
+    torch.testing.assert_close(got, x @ weight.float().T, atol=0.5, rtol=0.01)
+    assert torch.equal(got, torch.cat([head(row) for row in x.split(1)]))
+
+
+def _linear(weight: torch.Tensor) -> torch.nn.Linear:
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    linear.weight.data = weight.float()
+    return linear
+
+
+@needs_native
+def test_argmax_head_decodes_the_exact_heads_tokens():
+    """``lm_head="argmax"`` runs ``Int8Argmax`` where the weights are bf16 values: greedy gives the
+    tokens of the exact head (our bf16 product), verify steps equal one-token steps; elsewhere it
+    keeps the exact formats."""
+    model = tiny("llama", hidden=128).to(torch.bfloat16)
+    compress_with(model, "  - rtn: {bits: 4, group_size: 64, symmetric: true}\n")
+    prompt = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    exact, argmax = Engine(model, kernel="int4-a16"), Engine(model, kernel="int4-a16", lm_head="argmax")
+    assert exact.formats["lm_head"] == "bf16-avx2" and argmax.formats["lm_head"] == kernels.ARGMAX
+    assert argmax.weight_bytes() < exact.weight_bytes()
+    assert greedy(argmax, prompt, 16).tokens == greedy(exact, prompt, 16).tokens
+    argmax.reset()
+    argmax.forward(prompt[0, :20])
+    one_by_one = torch.cat([argmax.forward(prompt[0, i : i + 1]) for i in range(20, 24)])
+    argmax.crop(4)
+    assert torch.equal(argmax.forward(prompt[0, 20:24]), one_by_one)
+    assert Engine(tiny("llama", hidden=128), lm_head="argmax").formats["lm_head"] != kernels.ARGMAX  # fp32 values
+
+
+@needs_native
 def test_w4a8_is_used_only_when_asked_for():
     """``int4-a8`` rounds activations, so ``auto`` never picks it; asked for, it runs every W4
     group (and a lossy int4 lm_head) over a bf16 KV cache, its verify steps equal its one-token

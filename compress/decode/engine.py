@@ -101,7 +101,8 @@ class Engine:
     ``dense`` (fp32 on the CPU, the model's dtype elsewhere), or a format name from
     ``kernels.FORMATS`` applied wherever it is exact. ``quantize="w4"`` rounds the block
     linears to 4 bits in memory first (lossy: a draft for the original). ``lm_head``: a lossy
-    format for the output layer (``int8``, ``int4``), or None to keep it exact.
+    format for the output layer (``int8``, ``int4``); ``argmax``, whose largest logit is exact and
+    the others int8's (``kernels.Int8Argmax``: greedy's tokens at half the reads); or None: exact.
     ``max_len``: cache slots; the cache grows when a request needs more. ``dtype``: the
     residual stream's; by default bf16 on a CPU when every chosen kernel takes bf16 (then the
     engine computes what transformers computes in bf16), else fp32; the model's on a GPU.

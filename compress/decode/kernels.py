@@ -207,6 +207,7 @@ FORMATS = ("fp32", "fp32-onednn", "bf16", "bf16-avx2", "int8", "int4", "int4-avx
 ASKED_ONLY = ("int4-a8",)  # lossy in the activations: never chosen by ``auto``
 FLOAT_FORMATS = ("fp32", "fp32-onednn", "bf16")  # GEMMs: a few more rows cost little (integer kernels: per row)
 VERIFY_ROWS = 16  # inputs up to this many rows are speculative verify steps (longer ones: prompts)
+ARGMAX = "int8-argmax"  # an lm_head whose largest logit is exact (``Int8Argmax``): for greedy decoding
 
 
 class Matmul:
@@ -396,6 +397,38 @@ class NativeInt4A8(NativeInt4A16):
     fmt, op = "int4-a8", "int4_matmul_a8"
 
 
+class Int8Argmax(Matmul):
+    """An lm_head for greedy decoding: logits whose largest (its position and value) is exactly
+    ``NativeBF16``'s, at about half its reads. An int8 copy of the bf16 weight (one scale a row)
+    scores every row against the row rounded to 16 bits per block; each score's error has a proven
+    bound (the row's largest weight rounding times ``|x|_1``, plus the activations' rounding), and
+    only the rows whose score could still reach the largest are recomputed from the bf16 weight,
+    as ``NativeBF16`` computes them (on SmolLM2 3.5 rows of 49152 on average). A bound using int4
+    weights left nearly every row (the worst case is ~40x the typical error at width 576), and
+    int8 activations let the outlier channels widen it as far. The other logits are int8's: lossy
+    for sampling, so only greedy decoding asks for it (``lm_head="argmax"``)."""
+
+    fmt = "int8-argmax"
+
+    def __init__(self, weight: torch.Tensor, bias):
+        super().__init__(bias)
+        if bias is not None:
+            raise ValueError("int8-argmax takes an lm_head without a bias")
+        self.weight = weight.to(torch.bfloat16).contiguous()
+        w = self.weight.float()
+        self.scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny).contiguous()
+        self.codes = torch.round(w / self.scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+        self.error = (w - self.codes.float() * self.scale[:, None]).abs().amax(1).contiguous()
+        # per token it streams the codes and two floats a row; the bf16 rows it recomputes are a few
+        self.nbytes = self.codes.nbytes + self.scale.nbytes + self.error.nbytes
+        self.out_features, self.in_features = weight.shape
+
+    def matmul(self, x):
+        if x.shape[0] > VERIFY_ROWS:
+            return prompt_product(x, self.weight)
+        return torch.ops.compress.int8_argmax_logits(x.contiguous(), self.codes, self.scale, self.error, self.weight)
+
+
 class Int4CUDA(Matmul):
     """tinygemm's int4 kernel on a GPU (``_weight_int4pack_mm``): the same dequantization as the
     CPU kernel (``(u − 8)·scale + zero``), another packing (two codes a byte, then tiled)."""
@@ -469,7 +502,7 @@ def rows_alone(fmt: str) -> bool:
     number of rows (our ``native`` kernels: each weight row meets the rows one after another), so a
     compiled step can take exactly as many rows as it has tokens. Their extra rows cost arithmetic,
     not weight reads (SmolLM2's bf16 products on a Xeon: 2 rows 1.09x one row, 4 rows 1.50x, 8 2.53x)."""
-    return fmt in native.FORMATS
+    return fmt in native.FORMATS or fmt == ARGMAX
 
 
 def rounds_rows(fmt: str) -> bool:
@@ -518,6 +551,20 @@ def exact_formats(linears: list, device: torch.device) -> list[str]:
     return found
 
 
+def argmax_fits(linears: list, device: torch.device) -> bool:
+    """Whether ``Int8Argmax`` can stand in for this layer (one linear, no bias, bf16 weights, a
+    width of whole blocks, our kernels built)."""
+    (lin,) = linears
+    w = lin.weight.detach()
+    return (
+        device.type == "cpu"
+        and lin.bias is None
+        and lin.in_features % 64 == 0
+        and torch.equal(w.to(torch.bfloat16).to(w.dtype), w)
+        and native.available()
+    )
+
+
 def _native_int4_fits(linears: list, a8: bool = False) -> bool:
     qws = [quantized_of(lin) for lin in linears]
     return (
@@ -556,6 +603,8 @@ def build(fmt: str, linears: list, device: torch.device, traceable: bool = False
         return Dense(weight(), bias, torch.bfloat16)
     if fmt in ("fp32-onednn", "bf16"):
         return OneDNN(weight(), bias, torch.float32 if fmt == "fp32-onednn" else torch.bfloat16, traceable)
+    if fmt == ARGMAX:
+        return Int8Argmax(weight(), bias)
     if fmt == "w8a8":
         q, scale = zip(*(_w8a8_integers(lin) for lin in linears))
         return W8A8(torch.cat(q), torch.cat(scale), bias, device)
@@ -669,14 +718,20 @@ def choose(
     ``dense`` keeps plain matmuls;
     a format name is used where it is exact, elsewhere bf16 (for a format that takes bf16
     rows, so the stream stays bf16) or fp32. ``lossy`` names a
-    format per group to use whatever the weights are. ``compiled`` (a CPU engine under
+    format per group to use whatever the weights are (``argmax``: ``Int8Argmax`` where it runs,
+    else the exact formats, whose largest logit is the same). ``compiled`` (a CPU engine under
     AOTInductor): the float formats all become the compiler's own GEMM, so ``auto``
     offers only bf16 among them where it is exact (half the bytes of fp32; what eager
     timings say of oneDNN and MKL does not carry over).
     """
     formats, timings = {}, {}
     for name, layers in groups.items():
-        if lossy and name in lossy:  # a lossy int4 on a CPU: the int4 kernel asked for, or the fastest
+        if lossy and lossy.get(name) == "argmax" and argmax_fits(layers[0], device):
+            formats[name] = ARGMAX
+            continue
+        # a lossy int4 on a CPU: the int4 kernel asked for, or the fastest (argmax where it cannot run:
+        # the exact formats, whose largest logit is the same)
+        if lossy and name in lossy and lossy[name] != "argmax":
             native_fits = device.type == "cpu" and layers[0][0].in_features % 64 == 0 and native.available()
             exact = [lossy[name]]
             if lossy[name] == "int4" and native_fits and (kernel == "auto" or kernel in native.INT4_FORMATS):

@@ -1,5 +1,6 @@
 """Our own decode kernels for AVX2 CPUs (``native_avx2.cpp``): a bf16 and a W4 one-row product
-(and a W4A8 one, over rows rounded to int8) and one-row attention, built with the machine's C++
+(and a W4A8 one, over rows rounded to int8), one-row attention, and an lm_head whose largest
+logit is the bf16 weight's at an int8 weight's reads (``int8_argmax_logits``), built with the machine's C++
 compiler on first use and kept on disk.
 
 Why: on a CPU without AVX-512 (AMD Zen 1-3) torch has no fast product for bf16 or int4 weights.
@@ -117,6 +118,10 @@ def _register_shapes() -> None:
         @torch.library.register_fake(f"compress::{op}")
         def _(x, packed, scale, offset, group):
             return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("compress::int8_argmax_logits")
+    def _(x, codes, scale, error, weight):
+        return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("compress::int4_dequantize")
     def _(packed, scale, offset, group, bf16=False):

@@ -396,6 +396,182 @@ at::Tensor int4_matmul_aq(const at::Tensor& x, const at::Tensor& packed, const a
   return y;
 }
 
+// The int32 lanes of one block's product: 64 int8 codes (q, |q| <= 127) times 64 int8 values in the
+// same order. VNNI multiplies unsigned bytes by signed ones, so it takes q + 128 (q xor 0x80) and the
+// caller subtracts 128 times the values' sum; AVX2's maddubs takes the values' magnitudes times q with
+// their signs (a value of -128 has magnitude 128 as an unsigned byte; pairs of 128 * 127 sum to at most
+// 32512 per int16 lane: no saturation).
+inline __m256i int8_block_dot(__m256i w0, __m256i w1, const int8_t* v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_xor_si256(w0, flip), load32(v)),
+                             _mm256_xor_si256(w1, flip), load32(v + 32));
+#elif defined(__AVXVNNI__)
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  return _mm256_dpbusd_avx_epi32(
+      _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_xor_si256(w0, flip), load32(v)),
+      _mm256_xor_si256(w1, flip), load32(v + 32));
+#else
+  const __m256i v0 = load32(v), v1 = load32(v + 32);
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v0), _mm256_sign_epi8(w0, v0)),
+                                         _mm256_maddubs_epi16(_mm256_abs_epi8(v1), _mm256_sign_epi8(w1, v1)));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
+}
+
+// Whether int8_block_dot's lanes sum to the product plus 128 times the values' sum (VNNI's form).
+constexpr bool kUnsignedDot =
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    true;
+#else
+    false;
+#endif
+
+// A row of int8 codes times a row rounded to 16 bits per block of 64 (``coarse``: [K] int8 values,
+// then ``fine`` K later; a value is 256 * coarse + fine), scaled: sum over blocks of the block's
+// scale times its exact integer product. ``shift``: per block, what int8_block_dot's lanes add to it.
+inline float int8_row(const int8_t* row, const int8_t* values, const float* block_scale, const int32_t* shift,
+                      int64_t K) {
+  const int64_t B = K / 64;
+  __m256 total = _mm256_setzero_ps();
+  int64_t b0 = 0;
+  for (; b0 + 8 <= B; b0 += 8) {
+    __m256i d[8];
+    for (int j = 0; j < 8; ++j) {
+      const int8_t* w = row + (b0 + j) * 64;
+      _mm_prefetch(reinterpret_cast<const char*>(w) + 4096, _MM_HINT_T0);
+      const __m256i w0 = load32(w), w1 = load32(w + 32);
+      const __m256i coarse = int8_block_dot(w0, w1, values + (b0 + j) * 64);
+      d[j] = _mm256_add_epi32(_mm256_slli_epi32(coarse, 8), int8_block_dot(w0, w1, values + K + (b0 + j) * 64));
+    }
+    const __m256i exact = _mm256_sub_epi32(int_sums8(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + b0)));
+    total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_loadu_ps(block_scale + b0), total);
+  }
+  float extra = 0.f;
+  for (int64_t b = b0; b < B; ++b) {  // the last 1-7 blocks, one at a time
+    const int8_t* w = row + b * 64;
+    const __m256i w0 = load32(w), w1 = load32(w + 32);
+    const __m256i d = _mm256_add_epi32(_mm256_slli_epi32(int8_block_dot(w0, w1, values + b * 64), 8),
+                                       int8_block_dot(w0, w1, values + K + b * 64));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    extra += static_cast<float>(_mm_cvtsi128_si32(s) - shift[b]) * block_scale[b];
+  }
+  return hsum(total) + extra;
+}
+
+// Logits whose largest is exactly the bf16 weight's, for a quarter of bf16's reads on the largest
+// entry. ``codes`` [N, K] int8 with one ``scale`` per row (|q| <= 127) score every row; ``error``[n]
+// is the largest |w - scale * q| of row n, so a score is within
+//   bound[n] = (error[n] + 2e-3 scale[n]) |x|_1 + 4300 scale[n] sum_b block_scale[b]
+// of the exact product: the weights' rounding, the row's rounding to 16 bits per block (each value
+// within 0.508 of its block's step, times |q| <= 127, 64 to a block; 4300 > 127 * 64 * 0.508), and a
+// margin far above the float rounding of both this score and bf16_row's sum. A row whose score plus
+// its bound stays below the largest score minus its bound cannot hold the largest exact product; the
+// others (a handful on SmolLM2: 3.5 on average, at most 30 of 49152 over 288 tokens) are recomputed
+// from the bf16 weights as bf16_matmul computes them, so the largest logit, its position and its value
+// equal bf16_matmul's. The other logits keep their int8 scores.
+at::Tensor int8_argmax_logits(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                              const at::Tensor& error, const at::Tensor& weight) {
+  const int64_t N = codes.size(0), K = codes.size(1), B = K / 64, H = K / 2;
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous() && K % 64 == 0,
+              "codes: a contiguous 2-D int8 tensor, width a multiple of 64");
+  for (const auto* t : {&scale, &error}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 1 && t->size(0) == N,
+                "scale and error: contiguous float32 [out]");
+  }
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && weight.is_contiguous() && weight.size(0) == N &&
+                  weight.size(1) == K, "weight: the contiguous bf16 [out, in] the codes round");
+  check_rows(x, K);
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = x.data_ptr<float>();
+  int8_t* all_values = scratch<int8_t, 9>(M * 2 * K);
+  float *all_block_scales = scratch<float, 10>(M * B), *split = scratch<float, 11>(M * K);
+  int32_t* all_shifts = scratch<int32_t, 12>(M * B);
+  std::vector<float> l1(M), act(M);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = xp + m * K;
+    int8_t* values = all_values + m * 2 * K;
+    float total_scale = 0.f, norm = 0.f;
+    for (int64_t b = 0; b < B; ++b) {
+      float top = 0.f;
+      for (int64_t k = b * 64; k < (b + 1) * 64; ++k) {
+        top = std::max(top, std::fabs(xr[k]));
+        norm += std::fabs(xr[k]);
+      }
+      const float inv = top > 0.f ? 32639.f / top : 0.f;
+      int32_t sum = 0;
+      for (int64_t k = b * 64; k < (b + 1) * 64; ++k) {
+        const int32_t q = static_cast<int32_t>(std::nearbyint(xr[k] * inv)), coarse = (q + 128) >> 8;
+        values[k] = static_cast<int8_t>(coarse);
+        values[K + k] = static_cast<int8_t>(q - 256 * coarse);
+        sum += q;
+      }
+      all_block_scales[m * B + b] = top / 32639.f;
+      all_shifts[m * B + b] = kUnsignedDot ? 128 * sum : 0;
+      total_scale += top / 32639.f;
+    }
+    l1[m] = norm;
+    act[m] = 4300.f * total_scale;
+    for (int64_t k = 0; k < H; ++k) {  // as bf16_matmul splits a row
+      split[m * K + k] = xr[2 * k];
+      split[m * K + H + k] = xr[2 * k + 1];
+    }
+  }
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float *sp = scale.data_ptr<float>(), *ep = error.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int8_t* vp = all_values;
+  const float* bp = all_block_scales;
+  const int32_t* hp = all_shifts;
+  // fixed chunks of rows, each with its own largest score less bound per input row: the same for
+  // any number of threads
+  constexpr int64_t chunk = 512;
+  const int64_t C = (N + chunk - 1) / chunk;
+  std::vector<float> lower(C * M, -INFINITY);
+  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      for (int64_t n = c * chunk; n < std::min(N, (c + 1) * chunk); ++n) {
+        for (int64_t m = 0; m < M; ++m) {
+          const float score = sp[n] * int8_row(cp + n * K, vp + m * 2 * K, bp + m * B, hp + m * B, K);
+          yp[m * N + n] = score;
+          lower[c * M + m] = std::max(lower[c * M + m], score - ((ep[n] + 2e-3f * sp[n]) * l1[m] + sp[n] * act[m]));
+        }
+      }
+    }
+  });
+  std::vector<float> threshold(M, -INFINITY);  // the largest score less its bound: no exact product is above it
+  for (int64_t c = 0; c < C; ++c) {
+    for (int64_t m = 0; m < M; ++m) threshold[m] = std::max(threshold[m], lower[c * M + m]);
+  }
+  const int32_t* wp = reinterpret_cast<const int32_t*>(weight.data_ptr<at::BFloat16>());
+  at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {  // the rows that may hold the largest
+    for (int64_t m = 0; m < M; ++m) {
+      float* ym = yp + m * N;
+      const __m256 norm = _mm256_set1_ps(l1[m]), rows = _mm256_set1_ps(act[m]), top = _mm256_set1_ps(threshold[m]);
+      const __m256 margin = _mm256_set1_ps(2e-3f);
+      for (int64_t n0 = begin * chunk; n0 < std::min(N, end * chunk); n0 += 8) {
+        int mask = 0xFF;
+        if (n0 + 8 <= N) {
+          const __m256 sc = _mm256_loadu_ps(sp + n0);
+          const __m256 bound =
+              _mm256_fmadd_ps(_mm256_fmadd_ps(margin, sc, _mm256_loadu_ps(ep + n0)), norm, _mm256_mul_ps(sc, rows));
+          mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(ym + n0), bound), top, _CMP_GE_OQ));
+        }
+        for (int j = 0; mask && j < 8 && n0 + j < N; ++j) {
+          const int64_t n = n0 + j;
+          if ((mask >> j & 1) && ym[n] + ((ep[n] + 2e-3f * sp[n]) * l1[m] + sp[n] * act[m]) >= threshold[m])
+            ym[n] = bf16_row<false>(wp + n * H, split + m * K, split + m * K + H, H);
+        }
+      }
+    }
+  });
+  return y;
+}
+
 // Eight fp32 values rounded to bf16 (to nearest, ties to even, as torch rounds; no NaN comes here).
 inline __m128i to_bf16(__m256 v) {
   const __m256i bits = _mm256_castps_si256(v);
@@ -579,6 +755,7 @@ TORCH_LIBRARY(compress, m) {
   m.def("int4_matmul_a8(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("int4_matmul_a16(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor scale, Tensor offset, int group, bool bf16=False) -> Tensor");
+  m.def("int8_argmax_logits(Tensor x, Tensor codes, Tensor scale, Tensor error, Tensor weight) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scaling) -> Tensor");
 }
 
@@ -588,5 +765,6 @@ TORCH_LIBRARY_IMPL(compress, CPU, m) {
   m.impl("int4_matmul_a8", &int4_matmul_aq<false>);
   m.impl("int4_matmul_a16", &int4_matmul_aq<true>);
   m.impl("int4_dequantize", &int4_dequantize);
+  m.impl("int8_argmax_logits", &int8_argmax_logits);
   m.impl("decode_attention", &decode_attention);
 }
