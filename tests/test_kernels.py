@@ -178,7 +178,7 @@ def test_argmax_head_finds_the_bf16_products_largest_logit(width):
     assert torch.equal(got.argmax(-1), exact.argmax(-1)) and torch.equal(got.amax(-1), exact.amax(-1))
     assert set(exact.argmax(-1)[:4].tolist()) <= {3, 7}
     assert ((got == exact).sum(-1) < 50).all()  # the rest keep their int8 scores
-    torch.testing.assert_close(got, x @ weight.float().T, atol=0.5, rtol=0.01)
+    torch.testing.assert_close(got, x @ weight.float().T, atol=0.2, rtol=0)  # measured: 0.05-0.08
     assert torch.equal(got, torch.cat([head(row) for row in x.split(1)]))
 
 

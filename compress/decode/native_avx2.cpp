@@ -400,7 +400,7 @@ at::Tensor int4_matmul_aq(const at::Tensor& x, const at::Tensor& packed, const a
 // same order. VNNI multiplies unsigned bytes by signed ones, so it takes q + 128 (q xor 0x80) and the
 // caller subtracts 128 times the values' sum; AVX2's maddubs takes the values' magnitudes times q with
 // their signs (a value of -128 has magnitude 128 as an unsigned byte; pairs of 128 * 127 sum to at most
-// 32512 per int16 lane: no saturation).
+// 32512 per int16 lane: no saturation, but two such lanes would overflow, so each widens to int32 alone).
 inline __m256i int8_block_dot(__m256i w0, __m256i w1, const int8_t* v) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -412,10 +412,10 @@ inline __m256i int8_block_dot(__m256i w0, __m256i w1, const int8_t* v) {
       _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), _mm256_xor_si256(w0, flip), load32(v)),
       _mm256_xor_si256(w1, flip), load32(v + 32));
 #else
-  const __m256i v0 = load32(v), v1 = load32(v + 32);
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(v0), _mm256_sign_epi8(w0, v0)),
-                                         _mm256_maddubs_epi16(_mm256_abs_epi8(v1), _mm256_sign_epi8(w1, v1)));
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+  const __m256i v0 = load32(v), v1 = load32(v + 32), ones = _mm256_set1_epi16(1);
+  const __m256i pairs0 = _mm256_maddubs_epi16(_mm256_abs_epi8(v0), _mm256_sign_epi8(w0, v0));
+  const __m256i pairs1 = _mm256_maddubs_epi16(_mm256_abs_epi8(v1), _mm256_sign_epi8(w1, v1));
+  return _mm256_add_epi32(_mm256_madd_epi16(pairs0, ones), _mm256_madd_epi16(pairs1, ones));  // no int16 sum
 #endif
 }
 
