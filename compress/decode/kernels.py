@@ -403,7 +403,7 @@ class Int8Argmax(Matmul):
     scores every row against the row rounded to 16 bits per block; each score's error has a proven
     bound (the row's largest weight rounding times ``|x|_1``, plus the activations' rounding), and
     only the rows whose score could still reach the largest are recomputed from the bf16 weight,
-    as ``NativeBF16`` computes them (on SmolLM2 3.5 rows of 49152 on average). A bound using int4
+    as ``NativeBF16`` computes them (about 5 rows on average on SmolLM2 and Gemma-3). A bound using int4
     weights left nearly every row (the worst case is ~40x the typical error at width 576), and
     int8 activations let the outlier channels widen it as far. The other logits are int8's: lossy
     for sampling, so only greedy decoding asks for it (``lm_head="argmax"``)."""

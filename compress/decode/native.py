@@ -1,7 +1,7 @@
 """Our own decode kernels for AVX2 CPUs (``native_avx2.cpp``): a bf16 and a W4 one-row product
 (and a W4A8 one, over rows rounded to int8), one-row attention, and an lm_head whose largest
-logit is the bf16 weight's at an int8 weight's reads (``int8_argmax_logits``), built with the machine's C++
-compiler on first use and kept on disk.
+logit is the bf16 weight's at an int8 weight's reads (``int8_argmax_logits``), built with the
+machine's C++ compiler on first use and kept on disk.
 
 Why: on a CPU without AVX-512 (AMD Zen 1-3) torch has no fast product for bf16 or int4 weights.
 oneDNN refuses bf16 weights there, aten's bf16 GEMV and inductor's generated GEMV stream far

@@ -461,15 +461,16 @@ inline float int8_row(const int8_t* row, const int8_t* values, const float* bloc
   return hsum(total) + extra;
 }
 
-// Logits whose largest is exactly the bf16 weight's, for a quarter of bf16's reads on the largest
-// entry. ``codes`` [N, K] int8 with one ``scale`` per row (|q| <= 127) score every row; ``error``[n]
+// Logits whose largest is exactly the bf16 weight's, for about half of its reads (for greedy decoding's
+// lm_head). ``codes`` [N, K] int8 with one ``scale`` per row (|q| <= 127) score every row; ``error``[n]
 // is the largest |w - scale * q| of row n, so a score is within
 //   bound[n] = (error[n] + 2e-3 scale[n]) |x|_1 + 4300 scale[n] sum_b block_scale[b]
 // of the exact product: the weights' rounding, the row's rounding to 16 bits per block (each value
 // within 0.508 of its block's step, times |q| <= 127, 64 to a block; 4300 > 127 * 64 * 0.508), and a
 // margin far above the float rounding of both this score and bf16_row's sum. A row whose score plus
 // its bound stays below the largest score minus its bound cannot hold the largest exact product; the
-// others (a handful on SmolLM2: 3.5 on average, at most 30 of 49152 over 288 tokens) are recomputed
+// others (about 5 on average on SmolLM2 and Gemma-3, at most 33 of 49152 and 101 of 262144 in 192 steps:
+// scripts/check_argmax_head.py) are recomputed
 // from the bf16 weights as bf16_matmul computes them, so the largest logit, its position and its value
 // equal bf16_matmul's. The other logits keep their int8 scores.
 at::Tensor int8_argmax_logits(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -524,6 +525,7 @@ at::Tensor int8_argmax_logits(const at::Tensor& x, const at::Tensor& codes, cons
   const int8_t* cp = codes.data_ptr<int8_t>();
   const float *sp = scale.data_ptr<float>(), *ep = error.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const auto bound = [&](int64_t n, int64_t m) { return (ep[n] + 2e-3f * sp[n]) * l1[m] + sp[n] * act[m]; };
   const int8_t* vp = all_values;
   const float* bp = all_block_scales;
   const int32_t* hp = all_shifts;
@@ -538,7 +540,7 @@ at::Tensor int8_argmax_logits(const at::Tensor& x, const at::Tensor& codes, cons
         for (int64_t m = 0; m < M; ++m) {
           const float score = sp[n] * int8_row(cp + n * K, vp + m * 2 * K, bp + m * B, hp + m * B, K);
           yp[m * N + n] = score;
-          lower[c * M + m] = std::max(lower[c * M + m], score - ((ep[n] + 2e-3f * sp[n]) * l1[m] + sp[n] * act[m]));
+          lower[c * M + m] = std::max(lower[c * M + m], score - bound(n, m));
         }
       }
     }
@@ -554,8 +556,8 @@ at::Tensor int8_argmax_logits(const at::Tensor& x, const at::Tensor& codes, cons
       const __m256 norm = _mm256_set1_ps(l1[m]), rows = _mm256_set1_ps(act[m]), top = _mm256_set1_ps(threshold[m]);
       const __m256 margin = _mm256_set1_ps(2e-3f);
       for (int64_t n0 = begin * chunk; n0 < std::min(N, end * chunk); n0 += 8) {
-        int mask = 0xFF;
-        if (n0 + 8 <= N) {
+        int mask = 0xFF;  // the last rows (fewer than 8): each checked below
+        if (n0 + 8 <= N) {  // the bound of eight rows at once, as bound() computes it
           const __m256 sc = _mm256_loadu_ps(sp + n0);
           const __m256 bound =
               _mm256_fmadd_ps(_mm256_fmadd_ps(margin, sc, _mm256_loadu_ps(ep + n0)), norm, _mm256_mul_ps(sc, rows));
@@ -563,7 +565,7 @@ at::Tensor int8_argmax_logits(const at::Tensor& x, const at::Tensor& codes, cons
         }
         for (int j = 0; mask && j < 8 && n0 + j < N; ++j) {
           const int64_t n = n0 + j;
-          if ((mask >> j & 1) && ym[n] + ((ep[n] + 2e-3f * sp[n]) * l1[m] + sp[n] * act[m]) >= threshold[m])
+          if ((mask >> j & 1) && ym[n] + bound(n, m) >= threshold[m])
             ym[n] = bf16_row<false>(wp + n * H, split + m * K, split + m * K + H, H);
         }
       }
