@@ -258,6 +258,22 @@ inline __m256i int_sums8(const __m256i* a) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
+// The exact int32 products of blocks b0 .. b0 + 7 (``product(b)``: a block's int32 lanes), one block a lane.
+template <typename Product>
+inline __m256i eight_block_sums(int64_t b0, const Product& product) {
+  __m256i d[8];
+  for (int j = 0; j < 8; ++j) d[j] = product(b0 + j);
+  return int_sums8(d);
+}
+
+// The sum of the eight int32 lanes (exact).
+inline int32_t lane_sum(__m256i d) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+  return _mm_cvtsi128_si32(s);
+}
+
 // The int32 lanes of one block's product (``codes``: its 8 int32; ``v``: its low-nibble values, the
 // high-nibble ones K / 2 later, for Wide the fine parts K and 3K / 2 later).
 template <bool Wide>
@@ -284,14 +300,14 @@ template <bool Wide>
 inline float w4aq_row(const int32_t* row, const float* srow, const float* orow, int64_t K, int64_t G, int64_t per,
                       const int8_t* values, const float* block_scale, const float* sums) {
   const int64_t B = K / 64;
+  const auto product = [&](int64_t b) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * 8) + 4096, _MM_HINT_T0);
+    return block_product<Wide>(row + b * 8, values + b * 32, K);
+  };
   __m256 total = _mm256_setzero_ps();
   int64_t b0 = 0;
   for (; b0 + 8 <= B; b0 += 8) {
-    __m256i d[8];
-    for (int j = 0; j < 8; ++j) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + (b0 + j) * 8) + 4096, _MM_HINT_T0);
-      d[j] = block_product<Wide>(row + (b0 + j) * 8, values + (b0 + j) * 32, K);
-    }
+    const __m256i products = eight_block_sums(b0, product);
     // the blocks' weight scales: one per block, or one per group of ``per`` blocks
     const __m256 weight_scale =
         per == 1 ? _mm256_loadu_ps(srow + b0)
@@ -299,16 +315,12 @@ inline float w4aq_row(const int32_t* row, const float* srow, const float* orow, 
                                   srow[(b0 + 4) / per], srow[(b0 + 5) / per], srow[(b0 + 6) / per],
                                   srow[(b0 + 7) / per]);
     const __m256 scale = _mm256_mul_ps(_mm256_loadu_ps(block_scale + b0), weight_scale);
-    total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(int_sums8(d)), scale, total);
+    total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), scale, total);
     if (per == 1) total = _mm256_fmadd_ps(_mm256_loadu_ps(orow + b0), _mm256_loadu_ps(sums + b0), total);
   }
   float extra = 0.f;
   for (int64_t b = b0; b < B; ++b) {  // the last 1-7 blocks, one at a time
-    const __m256i d = block_product<Wide>(row + b * 8, values + b * 32, K);
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    extra += static_cast<float>(_mm_cvtsi128_si32(s)) * (block_scale[b] * srow[b / per]);
+    extra += static_cast<float>(lane_sum(product(b))) * (block_scale[b] * srow[b / per]);
   }
   // the offset terms not added above (all of them for groups of 128 or more)
   for (int64_t g = per == 1 ? b0 : 0; g < G; ++g) extra += orow[g] * sums[g];
@@ -427,36 +439,33 @@ constexpr bool kUnsignedDot =
     false;
 #endif
 
-// A row of int8 codes times a row rounded to 16 bits per block of 64 (``coarse``: [K] int8 values,
-// then ``fine`` K later; a value is 256 * coarse + fine), scaled: sum over blocks of the block's
+// The int32 lanes of one block's product: its 64 codes at ``w`` times the coarse parts at ``v`` and the
+// fine parts K later (a value is 256 * coarse + fine).
+inline __m256i int8_block_product(const int8_t* w, const int8_t* v, int64_t K) {
+  const __m256i w0 = load32(w), w1 = load32(w + 32);
+  return _mm256_add_epi32(_mm256_slli_epi32(int8_block_dot(w0, w1, v), 8), int8_block_dot(w0, w1, v + K));
+}
+
+// A row of int8 codes times a row rounded to 16 bits per block of 64 (``values``: [K] coarse parts,
+// then the fine ones), scaled: sum over blocks of the block's
 // scale times its exact integer product. ``shift``: per block, what int8_block_dot's lanes add to it.
 inline float int8_row(const int8_t* row, const int8_t* values, const float* block_scale, const int32_t* shift,
                       int64_t K) {
   const int64_t B = K / 64;
+  const auto product = [&](int64_t b) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * 64) + 4096, _MM_HINT_T0);
+    return int8_block_product(row + b * 64, values + b * 64, K);
+  };
   __m256 total = _mm256_setzero_ps();
   int64_t b0 = 0;
   for (; b0 + 8 <= B; b0 += 8) {
-    __m256i d[8];
-    for (int j = 0; j < 8; ++j) {
-      const int8_t* w = row + (b0 + j) * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(w) + 4096, _MM_HINT_T0);
-      const __m256i w0 = load32(w), w1 = load32(w + 32);
-      const __m256i coarse = int8_block_dot(w0, w1, values + (b0 + j) * 64);
-      d[j] = _mm256_add_epi32(_mm256_slli_epi32(coarse, 8), int8_block_dot(w0, w1, values + K + (b0 + j) * 64));
-    }
-    const __m256i exact = _mm256_sub_epi32(int_sums8(d), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + b0)));
+    const __m256i exact = _mm256_sub_epi32(eight_block_sums(b0, product),
+                                           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(shift + b0)));
     total = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), _mm256_loadu_ps(block_scale + b0), total);
   }
   float extra = 0.f;
   for (int64_t b = b0; b < B; ++b) {  // the last 1-7 blocks, one at a time
-    const int8_t* w = row + b * 64;
-    const __m256i w0 = load32(w), w1 = load32(w + 32);
-    const __m256i d = _mm256_add_epi32(_mm256_slli_epi32(int8_block_dot(w0, w1, values + b * 64), 8),
-                                       int8_block_dot(w0, w1, values + K + b * 64));
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
-    extra += static_cast<float>(_mm_cvtsi128_si32(s) - shift[b]) * block_scale[b];
+    extra += static_cast<float>(lane_sum(product(b)) - shift[b]) * block_scale[b];
   }
   return hsum(total) + extra;
 }
