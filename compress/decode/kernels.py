@@ -408,7 +408,7 @@ class Int8Argmax(Matmul):
     int8 activations let the outlier channels widen it as far. The other logits are int8's: lossy
     for sampling, so only greedy decoding asks for it (``lm_head="argmax"``)."""
 
-    fmt = "int8-argmax"
+    fmt = ARGMAX
 
     def __init__(self, weight: torch.Tensor, bias):
         super().__init__(bias)

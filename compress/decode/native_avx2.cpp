@@ -561,22 +561,9 @@ at::Tensor int8_argmax_logits(const at::Tensor& x, const at::Tensor& codes, cons
   const int32_t* wp = reinterpret_cast<const int32_t*>(weight.data_ptr<at::BFloat16>());
   at::parallel_for(0, C, 1, [&](int64_t begin, int64_t end) {  // the rows that may hold the largest
     for (int64_t m = 0; m < M; ++m) {
-      float* ym = yp + m * N;
-      const __m256 norm = _mm256_set1_ps(l1[m]), rows = _mm256_set1_ps(act[m]), top = _mm256_set1_ps(threshold[m]);
-      const __m256 margin = _mm256_set1_ps(2e-3f);
-      for (int64_t n0 = begin * chunk; n0 < std::min(N, end * chunk); n0 += 8) {
-        int mask = 0xFF;  // the last rows (fewer than 8): each checked below
-        if (n0 + 8 <= N) {  // the bound of eight rows at once, as bound() computes it
-          const __m256 sc = _mm256_loadu_ps(sp + n0);
-          const __m256 bound =
-              _mm256_fmadd_ps(_mm256_fmadd_ps(margin, sc, _mm256_loadu_ps(ep + n0)), norm, _mm256_mul_ps(sc, rows));
-          mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_loadu_ps(ym + n0), bound), top, _CMP_GE_OQ));
-        }
-        for (int j = 0; mask && j < 8 && n0 + j < N; ++j) {
-          const int64_t n = n0 + j;
-          if ((mask >> j & 1) && ym[n] + bound(n, m) >= threshold[m])
-            ym[n] = bf16_row<false>(wp + n * H, split + m * K, split + m * K + H, H);
-        }
+      for (int64_t n = begin * chunk; n < std::min(N, end * chunk); ++n) {
+        if (yp[m * N + n] + bound(n, m) >= threshold[m])
+          yp[m * N + n] = bf16_row<false>(wp + n * H, split + m * K, split + m * K + H, H);
       }
     }
   });
