@@ -6,7 +6,11 @@ through ``U``, the upper Cholesky factor of ``H⁻¹`` (``H = 2XᵀX``):
 
     err = (w - q) / U[i, i]        W[:, i:] -= err ⊗ U[i, i:]
 
-with lazy updates in blocks of ``blocksize`` columns (GPTQ §3). SparseGPT chooses the
+with lazy updates in blocks of ``blocksize`` columns (GPTQ §3). GPTAQ (Li et al. 2025, "GPTQ
+v2") targets the dense model's output ``W X̂`` from the compressed inputs ``X``: with the
+asymmetry ``A = 2(X̂ - X)Xᵀ/n``, ``P = α · triu₁(A Uᵀ) U`` and each column also moves the later
+ones by ``w ⊗ P[i, i:]`` (its value before rounding; ``α`` 0.25 as in the paper's code, whose
+lazy update reads the rounded values instead). SparseGPT chooses the
 mask inside the sweep from ``w² / U[i, i]²``: per block of columns for unstructured
 sparsity (its "adaptive mask selection"), per group of M columns for N:M. A mask given
 by an earlier pruning pass is kept: those weights round to exactly zero.
@@ -44,6 +48,7 @@ def obs_sweep(
     """Round (``scheme``) and/or prune (``prune``, or a fixed ``mask``) ``weight`` column by column.
 
     Options: ``dtype``, the storage dtype scales are rounded to; ``percdamp``; ``blocksize``;
+    ``asymmetry`` (``AsymmetricHessian.asymmetry``) and ``alpha``: GPTAQ's correction;
     ``actorder``: columns go in order of decreasing ``diag(H)`` while group scales stay tied to
     the original column positions ("static groups"), so the export needs no permutation (no
     ``g_idx``). With several processes each rank sweeps a share of the rows (they never
@@ -73,10 +78,13 @@ def _sweep(
     percdamp: float = 0.01,
     blocksize: int = 128,
     actorder: bool = False,
+    asymmetry: torch.Tensor | None = None,
+    alpha: float = 0.25,
 ) -> SweepResult:
     W = weight.float().clone()
     rows, cols = W.shape
-    W[:, dead_columns(H)] = 0
+    dead = dead_columns(H)
+    W[:, dead] = 0
     mask = torch.zeros_like(W, dtype=torch.bool) if mask is None else mask.clone()
     if scheme is not None:
         gs = cols if scheme.group_size == -1 else scheme.group_size
@@ -93,12 +101,18 @@ def _sweep(
     W, H, mask = W[:, perm], H[perm][:, perm], mask[:, perm]
     U = inverse_cholesky(H, percdamp, name)
     group = (perm // gs).tolist() if scheme is not None else None
+    P = None
+    if asymmetry is not None:  # strictly upper triangular: a column never moves itself
+        A = asymmetry.masked_fill(dead, 0)[perm][:, perm]
+        Ud = U.to(A.dtype)
+        P = (alpha * (A @ Ud.T).triu_(1) @ Ud).float()
 
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
         W1, U1, M1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2], mask[:, i1:i2]
         d = torch.diag(U1)
         Err1 = torch.zeros_like(W1)
+        Before1 = torch.zeros_like(W1) if P is not None else None  # each column's value before rounding
         if prune is not None and not prune.structured:
             M1 |= select_mask((W1 / d).pow(2).masked_fill(M1, -1), prune, per_row=False)
         for i in range(i2 - i1):
@@ -118,11 +132,16 @@ def _sweep(
                 Q[:, c] = qi.to(torch.int8)
                 q = (qi - zero[:, g]) * scale[:, g]
             err = (w - q) / U1[i, i]
+            if P is not None:
+                Before1[:, i] = w
+                W1[:, i:] += w.unsqueeze(1) @ P[c, i1 + i : i2].unsqueeze(0)
             W1[:, i:] -= err.unsqueeze(1) @ U1[i, i:].unsqueeze(0)
             W1[:, i] = q
             Err1[:, i] = err
         W[:, i1:i2] = W1
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+        if P is not None:
+            W[:, i2:] += Before1 @ P[i1:i2, i2:]
 
     inverse = torch.argsort(perm)
     quantized = None
@@ -131,8 +150,9 @@ def _sweep(
     return SweepResult(W[:, inverse], mask[:, inverse], quantized)
 
 
-def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool):
-    """Yield ``(group, Hessian)`` for every group of linears that read the same input.
+def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool, make_stat=Hessian):
+    """Yield ``(group, Hessian)`` (``make_stat(first_linear)``) for every group of linears that read
+    the same input.
 
     With ``true_sequential`` each group (q/k/v, then o, then gate/up, then down) is observed
     only after the caller has transformed the groups before it, so it sees their compressed
@@ -141,7 +161,7 @@ def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool):
     for stage in moe.sequential_stages(data.block, groups) if true_sequential else [groups]:
         # Later stages change only later linears, so o_proj's and down_proj's inputs stay valid:
         # the next stages (and the block's final forward) rebuild attention and MLP outputs from them.
-        stats = data.observe(stage, Hessian, replay_after=true_sequential)
+        stats = data.observe(stage, make_stat, replay_after=true_sequential)
         for group in stage:
             yield group, stats[group[0]]
         data.settle()  # the caller has transformed this stage's linears: keep their outputs

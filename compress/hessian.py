@@ -15,6 +15,7 @@ float64"). What leaves this module (the factors the sweeps read) is float32.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -65,6 +66,32 @@ class Hessian:
             lower = self.lower.tril()
             self._H = (lower + lower.tril(-1).T) * (2 / max(self.n, 1))
         return self._H
+
+
+class AsymmetricHessian(Hessian):
+    """``H`` of the inputs ``x`` a linear receives in the compressed model, and the asymmetry
+    ``2/n · Σ (x̂ - x) xᵀ``, where ``x̂`` is the dense model's input to the same linear on the same
+    sample (``dense`` yields them in the order ``add`` sees the samples). GPTAQ (Li et al. 2025)
+    fits the dense model's outputs from the compressed inputs with it, so that a layer corrects
+    the error the layers before it left instead of passing it on."""
+
+    def __init__(self, linear: torch.nn.Linear, dense: Iterator[torch.Tensor]):
+        super().__init__(linear)
+        self.dense = dense
+        self.cross = torch.zeros_like(self.lower)
+
+    def add(self, x: torch.Tensor) -> None:
+        super().add(x)
+        x = x.reshape(-1, x.shape[-1]).to(self.cross.dtype)
+        self.cross.addmm_((next(self.dense).reshape(x.shape).to(x.device, x.dtype) - x).T, x)
+
+    def reduce(self) -> None:
+        super().reduce()
+        distributed.sum_(self.cross)
+
+    @property
+    def asymmetry(self) -> torch.Tensor:
+        return self.cross * (2 / max(self.n, 1))
 
 
 def dead_columns(H: torch.Tensor) -> torch.Tensor:

@@ -88,21 +88,24 @@ def plan(
     f32, hidden = 4, cfg.hidden_size
     n_block = sum(p.numel() for p in model.layers[0].parameters())
     n_outside = sum(p.numel() for n, p in model.model.named_parameters() if not n.startswith(model.prefix))
-    copies = 1 + any(getattr(p, "needs_original", False) for p in passes)
+    dense = samples > 0 and any(getattr(p, "needs_dense_inputs", False) for p in passes)
+    copies = 1 + (dense or any(getattr(p, "needs_original", False) for p in passes)) + dense
     plan = MemoryPlan(where="GPU memory" if device.type == "cuda" else "RAM")
     plan.shared["tensors outside the blocks"] = n_outside * (stored + f32)
     if whole:
         plan.shared["the whole model (recovery or data-free calibration)"] = n_block * len(model) * stored
     plan.compress["one block"] = n_block * (stored + copies * f32)
     plan.kept = n_block * len(model) * (stored + 1) if keep_blocks else 0
-    # inputs, outputs and the inputs a replayed linear keeps: three sets of activations
-    (plan.disk if spill else plan.compress)["calibration activations"] = 3 * samples * cal_seqlen * hidden * f32
+    # inputs, outputs and the inputs a replayed linear keeps: three sets of activations (GPTAQ: and the
+    # dense model's inputs and outputs)
+    sets = 3 + 2 * dense
+    (plan.disk if spill else plan.compress)["calibration activations"] = sets * samples * cal_seqlen * hidden * f32
     if any(getattr(p, "uses_hessian", False) for p in passes):
         widest = max(m.in_features for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
         # H and its factors in float64 (hessian.statistics_dtype), the sweep's working copy; a
         # mixture of experts observes one projection of every expert at once: E statistics
         held = max((m.num_experts for m in moe.experts_of(model.layers[0]).values()), default=1)
-        plan.compress["Hessians"] = (held * 8 + 8 + f32) * widest * widest
+        plan.compress["Hessians"] = (held * 8 + 8 + f32 + 8 * dense) * widest * widest  # GPTAQ: its asymmetry
     if windows:
         plan.evaluate["one block"] = n_block * (stored + f32)
         plan.evaluate["evaluation hidden states"] = 2 * windows * eval_seqlen * hidden * f32  # model and reference

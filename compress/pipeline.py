@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -231,9 +231,11 @@ class BlockData:
         call: tuple,
         original: torch.nn.Module | None = None,
         store: Callable[[], list] = list,
+        dense_inputs: list[torch.Tensor] | None = None,
     ):
         self.block = block
         self.inputs = inputs
+        self.dense_inputs = dense_inputs  # the dense model's inputs to this block, for passes with needs_dense_inputs
         self.store = store  # makes the lists activations go to (``activation_store``)
         self.args, self.kwargs = call
         self.original = original  # the block before any pass touched it, for passes with needs_original
@@ -293,6 +295,14 @@ class BlockData:
             for h in handles:
                 h.remove()
         return outputs
+
+    def dense_inputs_to(self, block: torch.nn.Module, linear: str) -> Iterator[torch.Tensor]:
+        """Each sample's input to ``linear`` when ``block`` (a copy of this one) runs on the dense
+        model's inputs to this block, one sample at a time, in the order ``forward`` visits them."""
+        for x in self.dense_inputs:
+            seen = []
+            BlockData(block, [x], (self.args, self.kwargs)).forward({linear: seen.append}, stop_at=linear)
+            yield seen[0]
 
     @torch.no_grad()
     def _output_tail(self, module: str, linear: str):
@@ -402,7 +412,11 @@ def run_sequential(
         mine = distributed.share(len(ids))  # several processes: each calibrates on its own samples
         ids = ids[mine.start : mine.stop]
     inputs, calls = capture_inputs(model.model, ids, device, dtype, store) if ids is not None else (None, None)
-    keep_original = any(getattr(p, "needs_original", False) for p in passes)
+    # GPTAQ compares with the dense model's activations: they travel beside the compressed ones,
+    # each block's original (copied before its passes, or before a checkpoint replaces it) feeding the next
+    dense = inputs is not None and any(getattr(p, "needs_dense_inputs", False) for p in passes)
+    dense_inputs = inputs if dense else None
+    keep_original = dense or any(getattr(p, "needs_original", False) for p in passes)
     resumable = checkpoints.resumable if checkpoints is not None else 0
     for p in passes:  # this run's training logs (a recipe may be applied twice in one process)
         if isinstance(getattr(p, "log", None), dict):
@@ -410,13 +424,16 @@ def run_sequential(
     for i in tqdm(range(len(model)), desc="compressing blocks", unit="block", disable=not distributed.is_main()):
         with model.block(i, keep=keep) as block:
             home = _home(block)
+            original = copy.deepcopy(block) if keep_original and (i >= resumable or dense) else None
             if i < resumable:
                 checkpoints.restore(i, block)
             cast_params(block, device, dtype)
-            original = copy.deepcopy(block) if keep_original and i >= resumable else None
+            if original is not None:
+                cast_params(original, device, dtype)
             data = None
             if inputs is not None or original is not None:  # without calibration data, only ``original`` is there
-                data = BlockData(block, inputs or [], calls[i] if calls else ((), {}), original, store)
+                call = calls[i] if calls else ((), {})
+                data = BlockData(block, inputs or [], call, original, store, dense_inputs)
             prefix = f"{model.prefix}{i}."
             if inputs is not None and i >= resumable and moe.experts_of(block):
                 _calibrate_experts(block, data, prefix, min_expert_tokens, route_all_experts)
@@ -437,6 +454,8 @@ def run_sequential(
                 cast_params(cast_params(block, device, storage), device, dtype)
                 data.replay = {}
                 inputs = data.forward()
+                if dense:
+                    dense_inputs = BlockData(original, dense_inputs, call, store=store).forward()
             del data, original
             cast_params(block, home, storage)
             if checkpoints is not None and i >= resumable:

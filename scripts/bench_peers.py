@@ -1,17 +1,22 @@
-"""Peers side by side: llm-compressor's W4 on SmolLM2 with our calibration samples, scored by our
-evaluation beside our own recipes, in one run on one machine; one markdown row as soon as each
-is measured.
+"""Peers side by side: llm-compressor's W4 (or W3) on SmolLM2 with our calibration samples, scored
+by our evaluation beside our own recipes, in one run on one machine; one markdown row as soon as
+each is measured.
 
     python scripts/bench_peers.py [--model smollm2-135m] [--samples 128] [--windows 40]
         [--peers llmc-gptq llmc-gptq-actorder llmc-rtn] [--recipes gptq-w4 gptq-w4-actorder rtn-w4]
-        [--root out/peers]
+        [--bits 4] [--seeds 1] [--root out/peers]
+
+``--bits 3`` quantizes the peers to int3 (name W3 recipes of ours with ``--recipes``). With
+``--seeds N`` every row is quantized from calibration seeds 0..N-1 (ours through ``compress apply
+--seed``, the peers from the same seed's token ids) and shows mean ± standard deviation; a line
+per seed goes to stderr as it is scored.
 
 llm-compressor pins transformers and compressed-tensors versions other than ours, so it runs in
 a virtual environment of its own, ``.venv-peers`` in the repository (made on first use: the CPU
 build of torch 2.13.0, then llmcompressor 0.14.0.1 with what it pins). Every peer row quantizes
 the same bf16 checkpoint as ours (the bundled model's cached safetensors folder), with our
 calibration samples (the exact ``samples`` × ``seqlen`` token ids ``compress apply`` calibrates
-on), at the scheme of our W4 recipes: int4, symmetric, groups of 64, lm_head dense; llm-compressor
+on), at the scheme of our recipes: int4 (or int3), symmetric, groups of 64, lm_head dense; llm-compressor
 writes its export in its own compressed-tensors layout, and ``compress eval`` scores it on the
 same windows, against the same dense reference, as our exports. "compress s" is the quantization
 call alone (the model's load and the export's write excluded; ours: the block sweep), wall and
@@ -30,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_recipes import spread
+
 REPO = Path(__file__).resolve().parent.parent
 PEERS_VENV = REPO / ".venv-peers"
 PEER_PACKAGES = ["llmcompressor==0.14.0.1"]
@@ -41,7 +48,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-folder, ids_path, method, group, out = sys.argv[1:6]
+folder, ids_path, method, group, bits, out = sys.argv[1:7]
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
@@ -49,7 +56,7 @@ from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModif
 ids = load_file(ids_path)["ids"]
 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
 tokenizer = AutoTokenizer.from_pretrained(folder)
-weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=int(group))
+weights = QuantizationArgs(num_bits=int(bits), type="int", symmetric=True, strategy="group", group_size=int(group))
 groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
 start = time.perf_counter()
 if method == "rtn":
@@ -118,10 +125,15 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=40, help="evaluation windows of 2048 tokens")
     parser.add_argument("--peers", nargs="*", default=list(PEERS), choices=list(PEERS))
     parser.add_argument("--recipes", nargs="*", default=["gptq-w4", "gptq-w4-actorder", "rtn-w4"])
+    parser.add_argument("--bits", type=int, default=4, choices=[3, 4], help="the peers' weight bits")
+    parser.add_argument("--seeds", type=int, default=1, help="calibration seeds 0..N-1 per row: mean ± std")
     parser.add_argument("--root", default="out/peers", help="exports and logs go here")
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
 
     import torch
+    from safetensors.torch import save_file
 
     from compress import data, machine, models
 
@@ -129,89 +141,91 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     loaded = models.load(args.model, torch.bfloat16)
     folder = models.local_folder(args.model)
-    ids, what = data.calibration_batches(loaded.model, loaded.tokenizer, "wikitext2", args.samples, 512, seed=0)
-    from safetensors.torch import save_file
-
-    save_file({"ids": ids.contiguous()}, str(root / "calibration.safetensors"))
+    seeds = list(range(args.seeds))
+    for seed in seeds:
+        ids, what = data.calibration_batches(loaded.model, loaded.tokenizer, "wikitext2", args.samples, 512, seed)
+        save_file({"ids": ids.contiguous()}, str(root / f"calibration-seed{seed}.safetensors"))
     del loaded
     print(f"command: python {shlex.join(sys.argv)}")
     print(f"machine: {machine.describe()}")
-    print(f"model: {args.model}; calibration {what}; evaluation {args.windows} × 2048 tokens of wikitext-2 test\n")
+    print(
+        f"model: {args.model}; calibration {what}, seeds {', '.join(map(str, seeds))}; "
+        f"evaluation {args.windows} × 2048 tokens of wikitext-2 test\n"
+    )
     print("| tool | method | compress s | wall s | peak RSS GB | ppl | KL | top-1 | note |")
     print("|---|---|---|---|---|---|---|---|---|", flush=True)
 
-    def row(tool, method, seconds, wall, rss, found, note=""):
-        cells = [
-            tool,
-            method,
-            f"{seconds:.0f}" if seconds is not None else "",
-            f"{wall:.0f}" if wall is not None else "",
-            f"{rss:.2f}" if rss is not None else "",
-            f"{found['ppl']:.3f}" if found.get("ppl") else "",
-            f"{found['kl']:.4f}" if found.get("kl") is not None else "",
-            f"{found['top1']:.3f}" if found.get("top1") is not None else "",
-            note,
-        ]
+    def row(tool, method, runs: list[dict], note=""):
+        """One row over the seeds' runs: each run has seconds, wall, rss, ppl, kl, top1."""
+        cells = [tool, method + (f" ({len(runs)} seeds)" if len(runs) > 1 else "")]
+        for key, spec in (("seconds", ".0f"), ("wall", ".0f")):
+            cells.append(spread([r.get(key) for r in runs], spec) if runs else "")
+        cells.append(f"{max(r['rss'] for r in runs):.2f}" if runs else "")  # the largest of the seeds
+        for key, spec in (("ppl", ".3f"), ("kl", ".4f"), ("top1", ".3f")):
+            cells.append(spread([r.get(key) for r in runs], spec) if runs else "")
+        cells.append(note)
         print("| " + " | ".join(cells) + " |", flush=True)
+
+    def progress(name, seed, run):
+        if len(seeds) > 1:
+            print(f"{name} seed {seed}: ppl {run.get('ppl')} KL {run.get('kl')}", file=sys.stderr, flush=True)
 
     ours = [sys.executable, "-m", "compress.cli"]
     for recipe in args.recipes:
-        out = root / f"ours-{recipe}"
-        status, wall, rss, output = run(
-            [
-                *ours,
-                "apply",
-                recipe,
-                "--model",
-                args.model,
-                "--samples",
-                str(args.samples),
-                "--windows",
-                str(args.windows),
-                "--output",
-                str(out),
-                "--overwrite",
-            ],
-            root / f"ours-{recipe}.log",
-        )
-        report = json.loads((out / "report.json").read_text()) if status == 0 else {}
-        found = {k: report.get("eval", {}).get(k) for k in ("ppl", "kl", "top1")}
-        seconds = report.get("compress_s")
-        row(
-            "compress (ours)", recipe, seconds, wall, rss, found, "" if status == 0 else output.strip().splitlines()[-1]
-        )
+        runs, note = [], ""
+        for seed in seeds:
+            name = f"ours-{recipe}" + (f"-seed{seed}" if len(seeds) > 1 else "")
+            out = root / name
+            command = [*ours, "apply", recipe, "--model", args.model, "--samples", str(args.samples)]
+            command += ["--windows", str(args.windows), "--seed", str(seed), "--output", str(out), "--overwrite"]
+            status, wall, rss, output = run(command, root / f"{name}.log")
+            if status != 0:
+                note = output.strip().splitlines()[-1]
+                break
+            report = json.loads((out / "report.json").read_text())
+            runs.append(
+                {"seconds": report.get("compress_s"), "wall": wall, "rss": rss}
+                | {k: report.get("eval", {}).get(k) for k in ("ppl", "kl", "top1")}
+            )
+            progress(recipe, seed, runs[-1])
+        row("compress (ours)", recipe, runs, note)
 
     try:
         python = peers_python()
     except subprocess.CalledProcessError as e:
         for name in args.peers:
-            row("llm-compressor 0.14.0.1", name, None, None, None, {}, f"install failed: {e}")
+            row("llm-compressor 0.14.0.1", name, [], f"install failed: {e}")
         return
-    for name in args.peers:
-        out = root / name
-        status, wall, rss, output = run(
-            [
+    for peer in args.peers:
+        runs, note = [], ""
+        for seed in seeds:
+            name = f"{peer}-w{args.bits}" + (f"-seed{seed}" if len(seeds) > 1 else "")
+            out = root / name
+            ids_file = root / f"calibration-seed{seed}.safetensors"
+            command = [
                 str(python),
                 "-c",
                 WORKER,
                 str(folder),
-                str(root / "calibration.safetensors"),
-                PEERS[name],
+                str(ids_file),
+                PEERS[peer],
                 "64",
+                str(args.bits),
                 str(out),
-            ],
-            root / f"{name}.log",
-        )
-        if status != 0:
-            last = [line for line in output.strip().splitlines() if line.strip()][-1:] or [f"exit status {status}"]
-            row("llm-compressor 0.14.0.1", name, None, wall, rss, {}, f"failed: {last[0][:160]}")
-            continue
-        seconds = json.loads(output.split("PEER-RESULT ", 1)[1].splitlines()[0])["seconds"]
-        _, _, _, scored = run(
-            [*ours, "eval", str(out), "--reference", args.model, "--windows", str(args.windows)],
-            root / f"{name}-eval.log",
-        )
-        row("llm-compressor 0.14.0.1", name, seconds, wall, rss, scores(scored))
+            ]
+            status, wall, rss, output = run(command, root / f"{name}.log")
+            if status != 0:
+                last = [line for line in output.strip().splitlines() if line.strip()][-1:] or [f"exit status {status}"]
+                note = f"failed: {last[0][:160]}"
+                break
+            seconds = json.loads(output.split("PEER-RESULT ", 1)[1].splitlines()[0])["seconds"]
+            _, _, _, scored = run(
+                [*ours, "eval", str(out), "--reference", args.model, "--windows", str(args.windows)],
+                root / f"{name}-eval.log",
+            )
+            runs.append({"seconds": seconds, "wall": wall, "rss": rss} | scores(scored))
+            progress(peer, seed, runs[-1])
+        row("llm-compressor 0.14.0.1", f"{peer} W{args.bits}", runs, note)
 
 
 if __name__ == "__main__":

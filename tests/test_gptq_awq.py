@@ -3,8 +3,9 @@ import torch
 
 from compress.arch import arch_of, decoder_layers, fold
 from compress.column_sweep import obs_sweep
-from compress.hessian import Hessian
+from compress.hessian import AsymmetricHessian, Hessian
 from compress.passes.awq import search_scale
+from compress.passes.base import RecipeError
 from compress.quant import QuantScheme, dequantize, quantize_weight, quantized_of
 from tests.conftest import compress_with, export_and_reload, tiny
 
@@ -58,6 +59,54 @@ def test_gptq_beats_rtn_on_layer_output(scheme, actorder):
     gptq = obs_sweep(W, h.H, "layer", scheme=scheme, actorder=actorder).quantized
     rtn = quantize_weight(W, scheme, torch.float32)
     assert _out_err(X, W, gptq) < 0.8 * _out_err(X, W, rtn)
+
+
+@pytest.mark.parametrize("actorder", [False, True])
+def test_gptaq_fits_the_dense_output_from_inputs_that_carry_earlier_errors(actorder):
+    """GPTAQ's target is W X̂ (the dense inputs) from the compressed inputs X: it lands closer to
+    it than GPTQ, which fits W X; with no asymmetry it is GPTQ, integer for integer."""
+    lin, dense, _ = _layer_and_inputs()
+    torch.manual_seed(2)
+    noisy = dense + 0.3 * torch.randn(4096, 256) @ torch.randn(256, 256) * 0.3  # what earlier rounding left
+    h = AsymmetricHessian(lin, iter(dense.split(1000)))
+    for part in noisy.split(1000):  # uneven batches, paired with the dense ones in order
+        h.add(part)
+    torch.testing.assert_close(h.asymmetry, 2 / 4096 * (dense - noisy).double().T @ noisy.double())
+    W, scheme = lin.weight.data, QuantScheme(4, 64, True)
+    gptq = obs_sweep(W, h.H, "layer", scheme=scheme, actorder=actorder).quantized
+    gptaq = obs_sweep(W, h.H, "layer", scheme=scheme, actorder=actorder, asymmetry=h.asymmetry).quantized
+
+    def error(qw):  # against the dense model's output
+        return (noisy @ dequantize(qw.q, qw.scale, qw.zero_point, torch.float32).T - dense @ W.T).pow(2).mean()
+
+    assert error(gptaq) < 0.98 * error(gptq)
+    no_asymmetry = torch.zeros_like(h.asymmetry)
+    same = obs_sweep(W, h.H, "layer", scheme=scheme, actorder=actorder, asymmetry=no_asymmetry).quantized
+    assert torch.equal(same.q, gptq.q) and torch.equal(same.scale, gptq.scale)
+
+
+def test_gptaq_recipe_carries_the_dense_activations():
+    """Block 0's q/k/v see the dense inputs themselves (no asymmetry: GPTQ's integers); every later
+    linear sees the rounding before it and differs somewhere; an MoE model is refused."""
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    plain, gptaq = tiny(layers=2), tiny(layers=2)
+    compress_with(plain, "  - gptq: {bits: 3, group_size: 32}\n", ids)
+    recipe = compress_with(gptaq, "  - gptq: {bits: 3, group_size: 32, gptaq: true}\n", ids)
+    assert "gptaq" in recipe.passes[0].summary()
+    codes = [
+        {n: quantized_of(m).q for n, m in model.named_modules() if quantized_of(m) is not None}
+        for model in (plain, gptaq)
+    ]
+    first = [n for n in codes[0] if n.startswith("model.layers.0.self_attn.") and n[-6] in "qkv"]
+    assert len(first) == 3 and all(torch.equal(codes[0][n], codes[1][n]) for n in first)
+    assert not torch.equal(codes[0]["model.layers.1.mlp.down_proj"], codes[1]["model.layers.1.mlp.down_proj"])
+    with torch.no_grad():
+        assert torch.isfinite(gptaq(ids).logits).all()
+
+    from tests.test_families import family
+
+    with pytest.raises(RecipeError, match="gptaq: not for mixture-of-experts"):
+        compress_with(family("qwen3_moe"), "  - gptq: {bits: 4, group_size: 32, gptaq: true}\n", ids)
 
 
 def test_singular_hessian_does_not_crash():

@@ -25,6 +25,9 @@ RECIPES = {  # every kind of state a pass leaves on a block
     "gptq + lorc": "  - gptq: {bits: 3, group_size: 32, symmetric: true}\n  - lorc: {rank: 4, method: svd}\n",
     "gptq + blockwise": "  - gptq: {bits: 3, group_size: 32, symmetric: true}\n"
     "  - blockwise: {train: [scales, norms], steps: 3, lr: 0.001, batch: 1}\n",
+    # the dense model's activations, carried beside the compressed ones, start again from the originals
+    "awq + gptaq": "  - awq: {bits: 4, group_size: 32, symmetric: true, grid: 4, quantize: false}\n"
+    "  - gptq: {bits: 4, group_size: 32, symmetric: true, gptaq: true}\n",
 }
 
 

@@ -4,15 +4,25 @@ error onto the not-yet-quantized columns through the inverse Hessian.
 The column sweep itself (``H = 2XᵀX``, ``U = chol(H⁻¹)ᵀ``, lazy block updates,
 act-order with static groups) lives in ``compress/column_sweep.py``, shared with SparseGPT.
 Weights pruned by an earlier pass stay exactly zero.
+
+``gptaq: true`` (GPTAQ, Li et al. 2025, "GPTQ v2"): each linear fits the dense model's output
+instead of its own output on the inputs it now receives, which carry the rounding error of every
+layer before it. The dense side is the block as the earlier passes left it (AWQ's scales folded
+in), run on the dense model's inputs to the block, which the pipeline carries alongside.
 """
 
 from __future__ import annotations
 
+import copy
 import warnings
 
 import torch
+from pydantic import Field
 
+from .. import moe
+from ..arch import decoder_layers
 from ..column_sweep import hessian_stages, obs_sweep, usable
+from ..hessian import AsymmetricHessian, Hessian
 from ..quant import QuantizedWeight, attach, quantize_weight
 from ..sparsity import prune_mask_of
 from .base import RecipeError, WeightQuantOptions, WeightQuantPass
@@ -23,6 +33,8 @@ class GPTQOptions(WeightQuantOptions):
     blocksize: int = 128
     actorder: bool = False
     true_sequential: bool = True
+    gptaq: bool = False
+    gptaq_alpha: float = Field(0.25, gt=0, le=1)
 
 
 class GPTQ(WeightQuantPass):
@@ -37,11 +49,29 @@ class GPTQ(WeightQuantPass):
             raise RecipeError(
                 f"{self.where}.blocksize: {self.options.blocksize} must be a multiple of the group size {gs}"
             )
+        if self.options.gptaq and any(moe.experts_of(block) for block in decoder_layers(model)):
+            raise RecipeError(
+                f"{self.where}.gptaq: not for mixture-of-experts models (the dense and the compressed model "
+                "route tokens to different experts, so their inputs do not pair up); remove it"
+            )
+
+    @property
+    def needs_dense_inputs(self) -> bool:  # the pipeline carries the dense model's activations too
+        return self.options.gptaq
+
+    @staticmethod
+    def _asymmetric(block, data):
+        """GPTAQ's statistic for a linear of ``block``, its dense side from a copy of the block
+        taken now, before this pass rounds anything."""
+        dense = copy.deepcopy(block)
+        names = {module: name for name, module in block.named_modules()}
+        return lambda linear: AsymmetricHessian(linear, data.dense_inputs_to(dense, names[linear]))
 
     def apply(self, block, data, prefix: str) -> None:
         o = self.options
         targets = self.targets(block, prefix)
-        for group, H in hessian_stages(data, self.target_groups(targets), o.true_sequential):
+        make_stat = self._asymmetric(block, data) if o.gptaq else Hessian
+        for group, H in hessian_stages(data, self.target_groups(targets), o.true_sequential, make_stat):
             linears = [targets[name] for name in group]
             masks = [prune_mask_of(lin) for lin in linears]
             if not usable(H):
@@ -71,10 +101,13 @@ class GPTQ(WeightQuantPass):
                 percdamp=o.percdamp,
                 blocksize=o.blocksize,
                 actorder=o.actorder,
+                asymmetry=H.asymmetry if o.gptaq else None,
+                alpha=o.gptaq_alpha,
             ).quantized
             rows = [lin.out_features for lin in linears]
             for lin, ints, scale, zero in zip(linears, q.q.split(rows), q.scale.split(rows), q.zero_point.split(rows)):
                 attach(lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone()))  # own storage each
 
     def summary(self) -> str:
-        return f"gptq {self.scheme.describe()}" + (" actorder" if self.options.actorder else "")
+        o = self.options
+        return f"gptq {self.scheme.describe()}" + (" actorder" if o.actorder else "") + (" gptaq" if o.gptaq else "")
