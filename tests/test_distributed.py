@@ -16,9 +16,9 @@ from compress import distributed
 from compress.apply import apply
 from compress.recipe import parse
 
-PASSES = {  # every statistic and split: Hessians and sweep rows, AWQ's means, grid and clip rows, maxima
-    "awq scales + gptq actorder": "  - awq: {bits: 4, group_size: 32, grid: 4, quantize: false}\n"
-    "  - gptq: {bits: 4, group_size: 32, actorder: true}\n",
+PASSES = {  # every statistic and split: Hessians, GPTAQ's asymmetry and sweep rows, AWQ's means, grid and clip rows, maxima
+    "awq scales + gptq actorder gptaq": "  - awq: {bits: 4, group_size: 32, grid: 4, quantize: false}\n"
+    "  - gptq: {bits: 4, group_size: 32, actorder: true, gptaq: true}\n",
     "sparsegpt 2:4, smoothquant, gptq W8": "  - sparsegpt: {pattern: '2:4'}\n  - smoothquant: {alpha: 0.5}\n"
     "  - gptq: {bits: 8, group_size: -1}\n",
 }
@@ -71,7 +71,7 @@ def test_two_processes_write_the_export_one_process_writes(passes, model_folder,
 
 def test_a_refused_run_of_two_processes_says_why_in_one_line_and_writes_nothing(model_folder, tmp_path):
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(RECIPE + PASSES["awq scales + gptq actorder"])
+    recipe.write_text(RECIPE + PASSES["awq scales + gptq actorder gptaq"])
     out = tmp_path / "out"
     done = _run(["apply", str(recipe), "--model", str(model_folder), "--output", str(out), "--samples", "1"], 2)
     assert done.returncode != 0
@@ -96,7 +96,7 @@ def test_a_failure_on_one_rank_stops_every_rank_and_leaves_nothing(model_folder,
     script = tmp_path / "fail.py"
     script.write_text(FAIL_ON_RANK_1)
     recipe = tmp_path / "r.yaml"
-    recipe.write_text(RECIPE + PASSES["awq scales + gptq actorder"])
+    recipe.write_text(RECIPE + PASSES["awq scales + gptq actorder gptaq"])
     out = tmp_path / "out"
     args = ["apply", str(recipe), "--model", str(model_folder), "--output", str(out), "--device", "cpu"]
     done = _run(args, 2, program=(str(script),))
