@@ -16,7 +16,8 @@ from compress import distributed
 from compress.apply import apply
 from compress.recipe import parse
 
-PASSES = {  # every statistic and split: Hessians, GPTAQ's asymmetry and sweep rows, AWQ's means, grid and clip rows, maxima
+# every statistic and split: Hessians, GPTAQ's asymmetry and sweep rows, AWQ's means, grid and clip rows, maxima
+PASSES = {
     "awq scales + gptq actorder gptaq": "  - awq: {bits: 4, group_size: 32, grid: 4, quantize: false}\n"
     "  - gptq: {bits: 4, group_size: 32, actorder: true, gptaq: true}\n",
     "sparsegpt 2:4, smoothquant, gptq W8": "  - sparsegpt: {pattern: '2:4'}\n  - smoothquant: {alpha: 0.5}\n"
