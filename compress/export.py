@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from . import factored, gguf_export, kv_quant, moe
+from . import bnb, factored, gguf_export, kv_quant, moe
 from .quant import ActivationScheme, QuantizedWeight, QuantScheme, input_quant_of, quantized_of
 from .sparsity import prune_mask_of
 
@@ -361,6 +361,7 @@ class Export:
         self.shards = ShardWriter(self.tmp, max_shard_bytes)
         self.linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None] = {}
         self.loras: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.rounded_4bit: dict[str, str] = {}  # linears in bitsandbytes' 4-bit layout -> nf4 / fp4
         self.format: str | None = None  # pack-quantized, or int-quantized once a linear has int8 inputs
         self.totals = Totals()
 
@@ -394,9 +395,14 @@ class Export:
             for n, m in module.named_modules()
             if skip is None or not (n == skip or n.startswith(skip + "."))
         }
-        quantized = {}
+        quantized, rounded = {}, {}
         for m, name in name_of.items():
-            if isinstance(m, torch.nn.Linear):
+            if isinstance(m, torch.nn.Linear) and (r := bnb.rounded_4bit_of(m)) is not None:
+                rounded[name] = r
+                self.rounded_4bit[name] = r[1].quant_type
+                self.totals.weight_bits += bnb.stored_bits(r)
+                self.totals.quantized += m.weight.numel()
+            elif isinstance(m, torch.nn.Linear):
                 qw = quantized_of(m)
                 self.linears[name] = None if qw is None else (qw.scheme, input_quant_of(m))
                 if qw is None and input_quant_of(m) is not None:
@@ -428,10 +434,23 @@ class Export:
                 for k, t in self._tensors_of(module, owner, *quantized[owner]).items():
                     self.shards.add(moe.renamed(k, renames), t)
                 continue
+            if owner in rounded and leaf == "weight":
+                for k, t in bnb.export_tensors(owner, rounded[owner]).items():
+                    self.shards.add(k, t)
+                continue
             if tensor.data_ptr() in seen:  # tied lm_head / embeddings
                 continue
             seen.add(tensor.data_ptr())
             self.shards.add(moe.renamed(key, renames), tensor)
+
+    def _bitsandbytes_config(self, compressed_tensors: dict | None, dtype: torch.dtype) -> dict:
+        """transformers' config for 4-bit bitsandbytes weights; one checkpoint holds one layout."""
+        if compressed_tensors is not None:
+            raise ExportError("an export holds bitsandbytes 4-bit or integer (compressed-tensors) weights, not both")
+        (quant_type, *others) = set(self.rounded_4bit.values())
+        if others:
+            raise ExportError(f"an export holds one bitsandbytes 4-bit type; found {quant_type} and {others[0]}")
+        return bnb.export_config(quant_type, dtype, [name for name, s in self.linears.items() if s is None])
 
     def finish(self, model: torch.nn.Module, tokenizer, recipe_text: str, manifest: dict, gguf=None) -> Path:
         """Config, tokenizer, recipe, the GGUF file when the recipe's ``export`` (``gguf``) asks for
@@ -444,6 +463,8 @@ class Export:
             config.pop("auto_map", None)  # code references: an export runs no code from a repository
             config.pop("quantization_config", None)
             qconfig = quantization_config(self.linears, self.format or "pack-quantized")
+            if self.rounded_4bit:
+                qconfig = self._bitsandbytes_config(qconfig, model.dtype)
             if qconfig is not None:
                 config["quantization_config"] = qconfig
             config.pop(factored.CONFIG_KEY, None)

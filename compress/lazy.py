@@ -28,7 +28,7 @@ from .quant import ActivationScheme, quantize_inputs
 
 # what passes leave on a linear besides its weight (quant.attach, sparsity.apply_mask, LoRC):
 # dropped with the block's tensors
-_RECORDS = ("quantized", "prune_mask", "lora")
+_RECORDS = ("quantized", "prune_mask", "lora", "bnb_4bit")
 
 
 class CheckpointError(RuntimeError):
@@ -101,8 +101,34 @@ class _CompressedTensors:
                     return scheme
         return None
 
+    def keys(self, stored: str, checkpoint: Checkpoint) -> list[str]:
+        return [f"{stored}.{k}" for k in _QUANTIZED_PARTS if f"{stored}.{k}" in checkpoint]
+
     def weight(self, tensors: dict[str, torch.Tensor], scheme) -> torch.Tensor:
         return self.compressor.decompress(tensors, scheme)["weight"]
+
+
+class _Bitsandbytes4bit:
+    """An export whose linears are stored as transformers saves a ``load_in_4bit`` model (QLoRA's
+    ``base: nf4``): each dequantized by bitsandbytes' own code."""
+
+    format = "bitsandbytes-4bit"
+
+    def __init__(self, qconfig: dict, checkpoint: Checkpoint):
+        if not qconfig.get("load_in_4bit"):
+            raise CheckpointError(f"{checkpoint.folder}: bitsandbytes 8-bit checkpoints cannot be read (4-bit can)")
+        self.checkpoint = checkpoint
+
+    def scheme_of(self, name: str, module: torch.nn.Module):
+        return isinstance(module, torch.nn.Linear) and f"{name}.weight.absmax" in self.checkpoint or None
+
+    def keys(self, stored: str, checkpoint: Checkpoint) -> list[str]:
+        return [f"{stored}.weight"] + [k for k in checkpoint.file_of if k.startswith(f"{stored}.weight.")]
+
+    def weight(self, tensors: dict[str, torch.Tensor], scheme) -> torch.Tensor:
+        from . import bnb
+
+        return bnb.dequantize_4bit(tensors)
 
 
 class _Adapter:
@@ -140,7 +166,7 @@ class StreamedModel:
         model: torch.nn.Module,
         checkpoint: Checkpoint | None = None,
         dtype: torch.dtype | None = None,
-        quantized: _CompressedTensors | None = None,
+        quantized: _CompressedTensors | _Bitsandbytes4bit | None = None,
         adapter: _Adapter | None = None,
     ):
         self.model, self.checkpoint = model, checkpoint
@@ -189,22 +215,22 @@ class StreamedModel:
         ckpt = self.checkpoint
         subs = module.named_modules(prefix=prefix.rstrip(".")) if recurse else [(prefix.rstrip("."), module)]
         renames = moe.checkpoint_renames(module, prefix)  # Mixtral's experts are under another name on disk
-        wanted = []  # (module name, module, leaf, quantization scheme or None, checkpoint keys)
+        wanted = []  # (module name, its name on disk, module, leaf, quantization scheme or None, checkpoint keys)
         for name, sub in subs:
             scheme = self.quantized.scheme_of(name, sub) if self.quantized else None
             stored = moe.renamed(name, renames)
             for leaf, _ in sub.named_parameters(recurse=False):
-                if leaf == "weight" and scheme is not None:  # decompressed as compressed-tensors does it
-                    keys = [f"{stored}.{k}" for k in _QUANTIZED_PARTS if f"{stored}.{k}" in ckpt]
+                if leaf == "weight" and scheme is not None:  # decompressed as its library does it
+                    keys = self.quantized.keys(stored, ckpt)
                 else:
                     keys = [f"{stored}.{leaf}"]
                 if keys[0] not in ckpt:
                     raise CheckpointError(f"{ckpt.folder} has no tensor {keys[0]} (a checkpoint of another model?)")
-                wanted.append((name, sub, leaf, scheme if leaf == "weight" else None, keys))
+                wanted.append((name, stored, sub, leaf, scheme if leaf == "weight" else None, keys))
         tensors = ckpt.read([k for *_, keys in wanted for k in keys])
-        for name, sub, leaf, scheme, keys in wanted:
+        for name, stored, sub, leaf, scheme, keys in wanted:
             if scheme is not None:
-                value = self.quantized.weight({k.rsplit(".", 1)[1]: tensors.pop(k) for k in keys}, scheme)
+                value = self.quantized.weight({k[len(stored) + 1 :]: tensors.pop(k) for k in keys}, scheme)
             else:
                 value = tensors.pop(keys[0])
             if leaf == "weight" and self.adapter is not None:
@@ -276,14 +302,20 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=trust_remote_code)
     if (ranks := getattr(config, factored.CONFIG_KEY, None)) is not None:
         factored.install(model, ranks)
-    quantized = _CompressedTensors(qconfig) if qconfig and qconfig.get("quant_method") == "compressed-tensors" else None
-    if qconfig is not None and quantized is None:
+    checkpoint, method = Checkpoint(where), qconfig and qconfig.get("quant_method")
+    if method == "compressed-tensors":
+        quantized = _CompressedTensors(qconfig)
+    elif method == "bitsandbytes":
+        quantized = _Bitsandbytes4bit(qconfig, checkpoint)
+    elif qconfig is not None:
         raise CheckpointError(
-            f"{where}: quantization method {qconfig.get('quant_method')!r} cannot be read here "
-            "(compressed-tensors exports and plain checkpoints can)"
+            f"{where}: quantization method {method!r} cannot be read here "
+            "(compressed-tensors and bitsandbytes 4-bit exports and plain checkpoints can)"
         )
+    else:
+        quantized = None
     adapter = _Adapter(where / "adapter") if (where / "adapter" / "adapter_config.json").exists() else None
-    streamed = StreamedModel(model, Checkpoint(where), dtype, quantized, adapter)
+    streamed = StreamedModel(model, checkpoint, dtype, quantized, adapter)
     layers = streamed.prefix.rstrip(".")
     for name, sub in model.named_modules():
         if name != layers and not name.startswith(layers + ".") and sub._parameters:

@@ -221,16 +221,20 @@ def open_streamed(
 
 
 def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = False, local_only: bool = True):
-    """The model alone, whole, in eval mode (for decoding). Factored exports and exports with a
-    LoRA adapter are read as ``lazy`` reads them; the rest through transformers, so that W8A8
-    linears carry compressed-tensors' attributes, which the int8 decode kernels read."""
+    """The model alone, whole, in eval mode (for decoding). Factored exports, exports with a LoRA
+    adapter and bitsandbytes 4-bit exports are read as ``lazy`` reads them (dequantized); the rest
+    through transformers, so that W8A8 linears carry compressed-tensors' attributes, which the int8
+    decode kernels read."""
     from transformers import AutoModelForCausalLM
 
-    if isinstance(where, Path) and (
-        factored.CONFIG_KEY in json.loads((where / "config.json").read_text())
-        or (where / "adapter" / "adapter_config.json").exists()
-    ):
-        return lazy.open_model(where, dtype, trust_remote_code).load_all()
+    if isinstance(where, Path):
+        config = json.loads((where / "config.json").read_text())
+        if (
+            factored.CONFIG_KEY in config
+            or config.get("quantization_config", {}).get("quant_method") == "bitsandbytes"
+            or (where / "adapter" / "adapter_config.json").exists()
+        ):
+            return lazy.open_model(where, dtype, trust_remote_code).load_all()
     model = AutoModelForCausalLM.from_pretrained(
         where,
         dtype=dtype,

@@ -8,8 +8,9 @@ model keeps its ordinary forward and the compressed structure cannot drift:
   integers and zero-points stay, so the export layout is unchanged.
 - ``norms``: the RMSNorm weights.
 - ``weights``: the weights of linears that are not quantized; pruned entries stay exactly zero.
-- ``lora``: a rank-r product ``B·A`` added to each quantized linear (``B`` starts at zero) on a
-  frozen base; it exports as a PEFT adapter (``linear.lora``), like LoRC.
+- ``lora``: a rank-r product ``B·A`` added to each quantized linear (our integers, or bitsandbytes'
+  4-bit codes) on a frozen base (``B`` starts at zero); it exports as a PEFT adapter
+  (``linear.lora``), like LoRC.
 
 Trainable tensors are float32 whatever the compute dtype (Adam on bf16 parameters loses
 small updates); the forward sees them in the compute dtype. ``Trainables.finish`` writes
@@ -29,6 +30,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from tqdm import tqdm
 
+from .bnb import rounded_4bit_of
 from .quant import QuantizedWeight, attach, quantized_of
 from .sparsity import prune_mask_of
 
@@ -114,7 +116,7 @@ class Trainables:
                 self._register(lin, _Float(dtype, keep), dtype)
                 lin.parametrizations.weight.original.requires_grad_(True)
                 self.groups["weights"].append(lin.parametrizations.weight.original)
-            if qw is not None and "lora" in train:
+            if (qw is not None or rounded_4bit_of(lin) is not None) and "lora" in train:
                 lora = _LoRA(lin.out_features, lin.in_features, rank, generator, device)
                 self._register(lin, lora, dtype)
                 self.groups["lora"] += [lora.A, lora.B]

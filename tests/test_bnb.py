@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from compress import bnb
 from tests.conftest import tiny_folder
 
 bitsandbytes = pytest.importorskip("bitsandbytes")
@@ -21,7 +22,6 @@ def folder(tmp_path_factory, smollm2):
 def test_evaluation_scores_what_the_bitsandbytes_model_computes(folder, smollm2, scheme, module):
     """Every block linear is bitsandbytes' own module (lm_head dense, as transformers keeps it), and
     the evaluation's perplexity is the loss of that model's own forward on the same windows."""
-    from compress import bnb
     from compress.evaluate import evaluate, windows_of
 
     model = bnb.load(str(folder), scheme, torch.device("cpu")).model
@@ -36,7 +36,6 @@ def test_evaluation_scores_what_the_bitsandbytes_model_computes(folder, smollm2,
 
 
 def test_bits_per_weight_counts_codes_and_scales(folder):
-    from compress import bnb
 
     cpu = torch.device("cpu")
     assert bnb.bits_per_weight(bnb.load(str(folder), "nf4", cpu).model.model)[0] == pytest.approx(4.5)  # fp32 / 64
@@ -61,3 +60,79 @@ def test_eval_command_prints_bits_and_scores_and_refuses_a_quantized_model(folde
     refused = subprocess.run([*run[:4], str(quantized), "--bitsandbytes", "nf4"], capture_output=True, text=True)
     assert refused.returncode == 2 and "already quantized (compressed-tensors)" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_qlora_on_nf4_exports_load_in_4bit_codes_that_transformers_and_peft_load(folder, tmp_path):
+    """``qlora: {base: nf4}``: the export's codes and block scales are byte for byte what
+    ``load_in_4bit`` makes of the original; transformers loads them as ``Linear4bit`` and peft puts
+    the adapter on, computing what our reader computes (up to bitsandbytes' CPU kernel); the
+    report counts 4.5 bits per weight; and the adapter lowers the KL the NF4 rounding left."""
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from compress import models
+
+    recipe = tmp_path / "r.yaml"
+    runs = {}
+    for steps, lr in ((1, 1e-12), (20, 0.01)):  # ~untrained, then trained
+        recipe.write_text(
+            f"passes:\n  - qlora: {{base: nf4, rank: 4, steps: {steps}, lr: {lr}, batch: 4}}\n"
+            "calibration: {samples: 8, seqlen: 64}\nevaluation: {seqlen: 64, windows: 2}\n"
+        )
+        out = tmp_path / f"out{steps}"
+        run = [sys.executable, "-m", "compress.cli", "apply", str(recipe), "--model", str(folder), "--output", str(out)]
+        result = subprocess.run(run, capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr[-2000:]
+        runs[steps] = json.loads((out / "report.json").read_text())
+    assert runs[20]["eval"]["kl"] < runs[1]["eval"]["kl"], runs
+    assert runs[20]["bits_per_weight"] == pytest.approx(4.5)
+
+    name = "model.layers.1.mlp.down_proj"
+    original = bnb.load(str(folder), "nf4", torch.device("cpu")).model.model.get_submodule(name).weight
+    with safe_open(out / "model.safetensors", "pt") as f:
+        assert torch.equal(f.get_tensor(f"{name}.weight"), original.data)
+        assert torch.equal(f.get_tensor(f"{name}.weight.absmax"), original.quant_state.absmax)
+
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours = models.load_model(out, torch.float32)
+    theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32), out / "adapter")
+    assert isinstance(theirs.get_base_model().get_submodule(name).base_layer, bitsandbytes.nn.Linear4bit)
+    with torch.no_grad():
+        a, b = ours(ids).logits, theirs(ids).logits
+    assert (a - b).abs().max() < 0.02 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.95
+
+
+def test_qlora_on_nf4_merged_is_rounded_again_and_reads_back_as_trained(tmp_path):
+    from compress import models
+    from compress.export import export
+    from tests.conftest import _NoTokenizer, compress_with, tiny
+
+    model = tiny("llama")
+    ids = torch.randint(0, 128, (8, 32), generator=torch.Generator().manual_seed(0))
+    compress_with(model, "  - qlora: {base: nf4, rank: 4, steps: 10, lr: 0.01, batch: 4, merge: true}\n", ids)
+    down = model.model.layers[0].mlp.down_proj
+    assert getattr(down, "lora", None) is None
+    codes, state = bnb.rounded_4bit_of(down)
+    assert torch.equal(bitsandbytes.functional.dequantize_4bit(codes, state).float(), down.weight)
+    out = export(model, _NoTokenizer(), tmp_path / "x", "", {})
+    assert not (out / "adapter").exists()
+    with torch.no_grad():
+        torch.testing.assert_close(models.load_model(out, torch.float32)(ids).logits, model(ids).logits)
+
+
+@pytest.mark.parametrize(
+    "passes,message",
+    [
+        ("  - rtn: {bits: 4}\n  - qlora: {base: nf4}\n", "base: nf4 rounds the original weights itself; remove"),
+        ("  - qlora: {base: nf4, train: [lora, scales]}\n", "base: nf4 has no integer scales to train"),
+        ("  - qlora: {}\n", "or set base: nf4"),
+    ],
+)
+def test_qlora_base_problems_are_one_line_recipe_errors(passes, message):
+    from compress.passes import RecipeError
+    from compress.recipe import parse
+
+    with pytest.raises(RecipeError, match=message):
+        parse("passes:\n" + passes)
