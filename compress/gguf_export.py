@@ -355,6 +355,10 @@ def write(folder: str | Path, gguf_type: str | None, out: str | Path, embedding:
         raise GGUFError(problem)
     if (folder / "adapter").is_dir():
         raise GGUFError(f"{folder} carries a LoRA adapter, which GGUF files do not hold; merge it (merge: true)")
+    if (export.qconfig or {}).get("quant_method") == "bitsandbytes":
+        raise GGUFError(
+            f"{folder} holds bitsandbytes NF4/FP4 weights, which GGUF has no type for; use an integer recipe"
+        )
     arch = ARCHES[config["model_type"]]
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
     tensor_map = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])

@@ -105,7 +105,7 @@ def test_qlora_on_nf4_exports_load_in_4bit_codes_that_transformers_and_peft_load
 
 
 def test_qlora_on_nf4_merged_is_rounded_again_and_reads_back_as_trained(tmp_path):
-    from compress import models
+    from compress import gguf_export, models
     from compress.export import export
     from tests.conftest import _NoTokenizer, compress_with, tiny
 
@@ -118,6 +118,8 @@ def test_qlora_on_nf4_merged_is_rounded_again_and_reads_back_as_trained(tmp_path
     assert torch.equal(bitsandbytes.functional.dequantize_4bit(codes, state).float(), down.weight)
     out = export(model, _NoTokenizer(), tmp_path / "x", "", {})
     assert not (out / "adapter").exists()
+    with pytest.raises(gguf_export.GGUFError, match="bitsandbytes NF4/FP4 weights, which GGUF has no type for"):
+        gguf_export.write(out, None, tmp_path / "x.gguf")
     with torch.no_grad():
         torch.testing.assert_close(models.load_model(out, torch.float32)(ids).logits, model(ids).logits)
 
