@@ -119,8 +119,11 @@ class _Bitsandbytes4bit:
             raise CheckpointError(f"{checkpoint.folder}: bitsandbytes 8-bit checkpoints cannot be read (4-bit can)")
         self.checkpoint = checkpoint
 
-    def scheme_of(self, name: str, module: torch.nn.Module):
-        return isinstance(module, torch.nn.Linear) and f"{name}.weight.absmax" in self.checkpoint or None
+    def scheme_of(self, name: str, module: torch.nn.Module) -> bool | None:
+        """True for a linear stored in 4 bits (its block scales are there), None for a dense one."""
+        if isinstance(module, torch.nn.Linear) and f"{name}.weight.absmax" in self.checkpoint:
+            return True
+        return None
 
     def keys(self, stored: str, checkpoint: Checkpoint) -> list[str]:
         return [f"{stored}.weight"] + [k for k in checkpoint.file_of if k.startswith(f"{stored}.weight.")]
