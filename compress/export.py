@@ -233,7 +233,9 @@ def _write_adapter(loras: dict[str, tuple[torch.Tensor, torch.Tensor]], folder: 
     for name, (B, A) in loras.items():
         tensors[f"base_model.model.{name}.lora_A.weight"] = A
         tensors[f"base_model.model.{name}.lora_B.weight"] = B
-    save_file(tensors, folder / ADAPTER / "adapter_model.safetensors", metadata={"format": "pt"})
+    weights = folder / ADAPTER / "adapter_model.safetensors"
+    save_file(tensors, weights, metadata={"format": "pt"})
+    weights.chmod(0o666 & ~_umask())  # safetensors writes it private (0600); readable as its neighbours
 
 
 def _sha256(path: Path) -> str:

@@ -418,11 +418,14 @@ def test_exports_are_readable_by_others_and_name_no_code(tmp_path, smollm2):
 
     model = tiny("llama", hidden=64, layers=1)
     model.config.auto_map = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    down = model.model.layers[0].mlp.down_proj
+    down.lora = (torch.zeros(down.out_features, 2), torch.zeros(2, down.in_features))  # an adapter too
     mask = os.umask(0o022)
     try:
         out = export(model, smollm2.tokenizer, tmp_path / "out", "passes: []\n", {})
     finally:
         os.umask(mask)
     assert out.stat().st_mode & 0o777 == 0o755
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert all(f.stat().st_mode & 0o777 == 0o644 for f in out.rglob("*") if f.is_file())
     assert "auto_map" not in json.loads((out / "config.json").read_text())
