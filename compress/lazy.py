@@ -15,6 +15,7 @@ a quantized KV cache is marked on the attention modules.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import re
 from pathlib import Path
@@ -117,6 +118,8 @@ class _Bitsandbytes4bit:
     def __init__(self, qconfig: dict, checkpoint: Checkpoint):
         if not qconfig.get("load_in_4bit"):
             raise CheckpointError(f"{checkpoint.folder}: bitsandbytes 8-bit checkpoints cannot be read (4-bit can)")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise CheckpointError(f"{checkpoint.folder} holds bitsandbytes 4-bit weights: pip install bitsandbytes")
         self.checkpoint = checkpoint
 
     def scheme_of(self, name: str, module: torch.nn.Module) -> bool | None:

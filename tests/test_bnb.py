@@ -138,3 +138,26 @@ def test_qlora_base_problems_are_one_line_recipe_errors(passes, message):
 
     with pytest.raises(RecipeError, match=message):
         parse("passes:\n" + passes)
+
+
+def test_nf4_without_bitsandbytes_is_a_one_line_error(monkeypatch, folder, tmp_path):
+    """Without bitsandbytes (an optional extra) the recipe and a reader of an NF4 export say what
+    to install, before any work."""
+    import importlib.util
+    import shutil
+
+    from compress import lazy
+    from compress.passes import RecipeError
+    from compress.recipe import parse
+
+    real = importlib.util.find_spec
+    absent = lambda name, *a: None if name == "bitsandbytes" else real(name, *a)  # noqa: E731
+    monkeypatch.setattr(importlib.util, "find_spec", absent)
+    with pytest.raises(RecipeError, match="base: nf4 needs the bitsandbytes package: pip install bitsandbytes"):
+        parse("passes:\n  - qlora: {base: nf4}\n")
+    nf4 = shutil.copytree(folder, tmp_path / "nf4")
+    config = json.loads((nf4 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (nf4 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(lazy.CheckpointError, match="holds bitsandbytes 4-bit weights: pip install bitsandbytes"):
+        lazy.open_model(nf4, torch.bfloat16)

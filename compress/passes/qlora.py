@@ -15,6 +15,7 @@ the same grid (round-to-nearest, or NF4), which costs some of the gain.
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Literal
 
 import torch
@@ -35,9 +36,11 @@ class QLoRAOptions(DistillOptions):
     base: Literal["quantized", "nf4"] = "quantized"
 
     @model_validator(mode="after")
-    def _nf4_has_no_scales(self):
+    def _nf4_base(self):
         if self.base == "nf4" and "scales" in self.train:
             raise ValueError("base: nf4 has no integer scales to train; train lora (and norms)")
+        if self.base == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("base: nf4 needs the bitsandbytes package: pip install bitsandbytes")
         return self
 
 
