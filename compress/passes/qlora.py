@@ -1,8 +1,8 @@
 """QLoRA (Dettmers et al. 2023): low-rank adapters trained on a frozen quantized base.
 
 The base is, by default, the quantized model that the passes before produced (our integer
-weights, as exported), not bitsandbytes NF4: the adapter is then trained against exactly the
-weights a server will load. ``base: nf4`` is the paper's and peft users' QLoRA: the pass itself
+weights, as exported): the adapter is then trained against exactly the weights a server will
+load. ``base: nf4`` is the paper's and peft users' QLoRA: the pass itself
 rounds the original weights with bitsandbytes (NF4 in blocks of 64, what ``load_in_4bit``
 gives), trains on that, and exports them as transformers saves a ``load_in_4bit`` model, so
 ``from_pretrained`` and peft load the export as they load their own.
