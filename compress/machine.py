@@ -4,6 +4,7 @@ kernel timings and compiled steps are kept per ``key`` (the fastest kernel diffe
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -26,8 +27,21 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or "unknown CPU"
 
 
+def isa_limit() -> str | None:
+    """torch's ``ATEN_CPU_CAPABILITY`` when it caps the vector instructions torch uses (``avx2`` or
+    ``default``): we cap ours to match, so that an AVX-512 machine can run and time the code an
+    AVX2-only CPU gets (with ``ONEDNN_MAX_CPU_ISA=AVX2`` for oneDNN's kernels)."""
+    limit = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    return limit if limit in ("avx2", "default") else None
+
+
 def cpu_flags() -> set[str]:
-    return set(_cpuinfo("flags").split())
+    flags = set(_cpuinfo("flags").split())
+    if isa_limit():
+        flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
+    if isa_limit() == "default":
+        flags -= {"avx2", "fma"}
+    return flags
 
 
 def bf16_arithmetic() -> bool:
@@ -39,6 +53,9 @@ def bf16_arithmetic() -> bool:
 def describe() -> str:
     """e.g. ``AMD EPYC 7B13 (avx2), 2 threads, no GPU, torch 2.13.0+cpu``."""
     isa = " ".join(f for f in ISA if f in cpu_flags()) or "no AVX2"
+    if isa_limit():
+        onednn = os.environ.get("ONEDNN_MAX_CPU_ISA", "unset")
+        isa += f"; ATEN_CPU_CAPABILITY={isa_limit()}, ONEDNN_MAX_CPU_ISA={onednn}"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return f"{cpu_name()} ({isa}), {torch.get_num_threads()} threads, {gpu}, torch {torch.__version__}"
 

@@ -4,7 +4,7 @@ symmetry), W8A8 on ``_int_mm`` in process and from an export; formats are offere
 import pytest
 import torch
 
-from compress import models
+from compress import machine, models
 from compress.decode import DecodeError, greedy, kernels, native
 from compress.decode.engine import Engine
 from compress.export import export
@@ -47,6 +47,20 @@ def test_formats_are_offered_only_where_they_hold_the_weights():
     compress_with(model := tiny("llama").to(torch.bfloat16), "  - rtn: {bits: 8, group_size: -1}\n")
     assert "int8" in kernels.exact_formats([model.model.layers[0].mlp.down_proj], CPU)
     assert "bf16" not in kernels.exact_formats([tiny("llama").model.layers[0].mlp.down_proj], CPU)  # fp32 values
+
+
+def test_aten_cpu_capability_caps_the_instruction_sets_we_choose_kernels_by(monkeypatch):
+    """An AVX-512 machine told ``ATEN_CPU_CAPABILITY=avx2`` times and builds what an AVX2-only CPU gets."""
+    flags = "fpu avx2 fma avx512f avx512bw avx512_bf16 avx512_vnni amx_bf16 amx_tile"
+    monkeypatch.setattr(machine, "_cpuinfo", lambda field: flags if field == "flags" else "Some Xeon")
+    assert machine.bf16_arithmetic() and "avx512f" in machine.describe()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert machine.cpu_flags() == {"fpu", "avx2", "fma"} and not machine.bf16_arithmetic()
+    assert "(avx2; ATEN_CPU_CAPABILITY=avx2" in machine.describe()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert machine.cpu_flags() == {"fpu"}
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")  # not a cap below what the machine has
+    assert "avx512f" in machine.cpu_flags()
 
 
 def test_w8a8_format_matches_fake_quantized_w8a8_in_process_and_from_the_export(tmp_path):

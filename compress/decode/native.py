@@ -49,6 +49,7 @@ def _build(target: Path, compiler: str) -> None:
         "-march=native",
         "-mavx2",
         "-mfma",
+        *([] if "avx512f" in machine.cpu_flags() else ["-mno-avx512f"]),  # ATEN_CPU_CAPABILITY=avx2 honoured
         "-fopenmp",
         "-shared",
         "-fPIC",
