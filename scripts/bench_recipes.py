@@ -26,7 +26,7 @@ from compress import machine
 
 def compress(recipe: str, model: str, args, out: Path, seed: int | None) -> dict | None:
     if args.reuse and (out / "report.json").exists():  # compressed by an earlier run into --keep
-        return json.loads((out / "report.json").read_text())
+        return {**json.loads((out / "report.json").read_text()), "output": str(out)}  # where it is now
     cmd = [
         sys.executable,
         "-m",
