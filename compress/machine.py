@@ -36,10 +36,10 @@ def isa_limit() -> str | None:
 
 
 def cpu_flags() -> set[str]:
-    flags = set(_cpuinfo("flags").split())
-    if isa_limit():
+    flags, limit = set(_cpuinfo("flags").split()), isa_limit()
+    if limit:
         flags = {f for f in flags if not f.startswith(("avx512", "amx"))}
-    if isa_limit() == "default":
+    if limit == "default":
         flags -= {"avx2", "fma"}
     return flags
 
