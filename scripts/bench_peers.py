@@ -1,26 +1,35 @@
-"""Peers side by side: llm-compressor's W4 (or W3) on SmolLM2 with our calibration samples, scored
-by our evaluation beside our own recipes, in one run on one machine; one markdown row as soon as
-each is measured.
+"""Peers side by side: llm-compressor's and GPTQModel's W4 (or W3) on SmolLM2 with our calibration
+samples, scored by our evaluation beside our own recipes, in one run on one machine; one markdown
+row as soon as each is measured.
 
     python scripts/bench_peers.py [--model smollm2-135m] [--samples 128] [--windows 40]
-        [--peers llmc-gptq llmc-gptq-actorder llmc-rtn] [--recipes gptq-w4 gptq-w4-actorder rtn-w4]
-        [--bits 4] [--seeds 1] [--root out/peers]
+        [--peers llmc-gptq llmc-gptq-actorder llmc-rtn gptqmodel-gptq gptqmodel-awq]
+        [--recipes gptq-w4 gptq-w4-actorder rtn-w4] [--bits 4] [--seeds 1] [--root out/peers]
+        [--timeout SECONDS]
 
 ``--bits 3`` quantizes the peers to int3 (name W3 recipes of ours with ``--recipes``). With
 ``--seeds N`` every row is quantized from calibration seeds 0..N-1 (ours through ``compress apply
 --seed``, the peers from the same seed's token ids) and shows mean ± standard deviation; a line
 per seed goes to stderr as it is scored.
 
-llm-compressor pins transformers and compressed-tensors versions other than ours, so it runs in
-a virtual environment of its own, ``.venv-peers`` in the repository (made on first use: the CPU
-build of torch 2.13.0, then llmcompressor 0.14.0.1 with what it pins). Every peer row quantizes
-the same bf16 checkpoint as ours (the bundled model's cached safetensors folder), with our
-calibration samples (the exact ``samples`` × ``seqlen`` token ids ``compress apply`` calibrates
-on), at the scheme of our recipes: int4 (or int3), symmetric, groups of 64, lm_head dense; llm-compressor
-writes its export in its own compressed-tensors layout, and ``compress eval`` scores it on the
-same windows, against the same dense reference, as our exports. "compress s" is the quantization
-call alone (the model's load and the export's write excluded; ours: the block sweep), wall and
-peak RSS are the whole process's. A peer that fails is a row with its error.
+Each peer pins transformers (and compressed-tensors) versions other than ours, so each runs in a
+virtual environment of its own in the repository, made on first use from the CPU build of torch
+2.13.0: ``.venv-peers`` (llmcompressor 0.14.0.1) and ``.venv-gptqmodel`` (gptqmodel 7.6.0, the
+newest that accepts torch 2.13; it compiles nothing at install). Every peer row quantizes the same
+bf16 checkpoint as ours (the bundled model's cached safetensors folder), with our calibration
+samples (the exact ``samples`` × ``seqlen`` token ids ``compress apply`` calibrates on), at the
+scheme of our recipes: int4 (or int3), symmetric, groups of 64, lm_head dense; GPTQModel's other
+settings at its defaults (for GPTQ: its group-aware activation order, GAR, and 5% dampening).
+llm-compressor writes its export in its own compressed-tensors layout.
+GPTQModel writes its GPTQ/AWQ layouts, which our loader does not read: its worker writes a dense
+float32 copy instead, each quantized linear's weight read back through GPTQModel's own kernel
+(the layer applied to the identity matrix), and the row is scored from that copy in float32 (the
+dense reference then loads exactly as in bfloat16; the CPU computes in float32 either way).
+``compress eval`` scores every export on the same windows, against the same dense reference, as
+ours. "compress s" is the quantization call alone (the model's load and the export's write
+excluded; ours: the block sweep), wall and peak RSS are the whole process's. A peer that fails is
+a row with its error; one stopped by ``--timeout`` a row with the last line it printed (how
+far it got).
 """
 
 from __future__ import annotations
@@ -32,17 +41,17 @@ import re
 import shlex
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench_recipes import spread
 
 REPO = Path(__file__).resolve().parent.parent
-PEERS_VENV = REPO / ".venv-peers"
-PEER_PACKAGES = ["llmcompressor==0.14.0.1"]
 
 # Runs inside .venv-peers: quantize with llm-compressor, save compressed, print the seconds.
-WORKER = r"""
+LLMC_WORKER = r"""
 import json, sys, time
 import torch
 from safetensors.torch import load_file
@@ -74,34 +83,111 @@ tokenizer.save_pretrained(out)
 print("PEER-RESULT " + json.dumps({"seconds": seconds}), flush=True)
 """
 
-PEERS = {  # row name -> worker method
-    "llmc-gptq": "gptq",
-    "llmc-gptq-actorder": "gptq-actorder",
-    "llmc-rtn": "rtn",
+# Runs inside .venv-gptqmodel: quantize with GPTQModel at its defaults, save its checkpoint, load it
+# back as its users do, and write a dense float32 copy whose quantized linears hold the weights
+# GPTQModel's own CPU kernel computes with (each layer applied to the identity matrix).
+GPTQMODEL_WORKER = r"""
+import json, os, sys, time
+
+folder, ids_path, method, group, bits, out = sys.argv[1:7]
+ids_path, out = os.path.abspath(ids_path), os.path.abspath(out)
+os.chdir(os.path.dirname(out))  # GPTQModel writes a logs/ folder where it runs
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # its default, 1 on 2 cores, fails its own pool check
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from gptqmodel import BACKEND, GPTQModel
+from gptqmodel.nn_modules.qlinear import BaseQuantLinear
+from gptqmodel.quantization.config import AWQConfig, GPTQConfig
+
+ids = load_file(ids_path)["ids"]
+config = (AWQConfig if method == "awq" else GPTQConfig)(bits=int(bits), group_size=int(group), sym=True)
+model = GPTQModel.load(folder, config, device="cpu")
+start = time.perf_counter()
+samples = [{"input_ids": row.tolist(), "attention_mask": [1] * len(row)} for row in ids]
+# AWQ packs for its CUDA GEMM kernel unless told to pack for its torch one
+model.quantize(samples, batch_size=1, backend=BACKEND.AWQ_TORCH if method == "awq" else BACKEND.AUTO)
+seconds = time.perf_counter() - start
+native = os.path.join(out, "gptqmodel")
+model.save(native)
+del model
+quantized = GPTQModel.load(native, device="cpu").model
+dense = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+kernels, state = set(), quantized.state_dict()
+with torch.no_grad():
+    for key, tensor in dense.state_dict().items():  # the norms AWQ folded its scales into
+        if key in state and state[key].shape == tensor.shape and state[key].is_floating_point():
+            tensor.copy_(state[key])
+    for name, layer in quantized.named_modules():
+        if isinstance(layer, BaseQuantLinear):
+            weight = layer(torch.eye(layer.in_features, dtype=layer.scales.dtype)).float()
+            if getattr(layer, "bias", None) is not None:
+                weight -= layer.bias.float()
+            dense.get_submodule(name).weight.copy_(weight.T)
+            kernels.add(type(layer).__name__)
+if not kernels:
+    raise SystemExit("no quantized linear in GPTQModel's checkpoint")
+dense.save_pretrained(out)
+AutoTokenizer.from_pretrained(folder).save_pretrained(out)
+print("PEER-RESULT " + json.dumps({"seconds": seconds, "kernels": sorted(kernels)}), flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str  # as rows name it
+    venv: str  # in the repository
+    packages: tuple[str, ...]
+    worker: str
+    eval_args: tuple[str, ...] = ()
+
+
+LLMC = Tool("llm-compressor 0.14.0.1", ".venv-peers", ("llmcompressor==0.14.0.1",), LLMC_WORKER)
+GPTQMODEL = Tool("GPTQModel 7.6.0", ".venv-gptqmodel", ("gptqmodel==7.6.0",), GPTQMODEL_WORKER, ("--dtype", "float32"))
+PEERS = {  # row name -> (tool, worker method)
+    "llmc-gptq": (LLMC, "gptq"),
+    "llmc-gptq-actorder": (LLMC, "gptq-actorder"),
+    "llmc-rtn": (LLMC, "rtn"),
+    "gptqmodel-gptq": (GPTQMODEL, "gptq"),
+    "gptqmodel-awq": (GPTQMODEL, "awq"),
 }
 
 
-def run(command: list[str], log: Path) -> tuple[int, float, float, str]:
-    """(exit status, wall seconds, peak RSS GB, output) of a child process, its output kept in ``log``."""
+def run(command: list[str], log: Path, timeout: float | None = None) -> tuple[int, float, float, str]:
+    """(exit status, wall seconds, peak RSS GB, output) of a child process, its output kept in ``log``;
+    killed after ``timeout`` seconds."""
     start = time.perf_counter()
     with open(log, "w") as out:
         child = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+        timer = threading.Timer(timeout, child.kill) if timeout else None
+        if timer:
+            timer.start()
         _, status, usage = os.wait4(child.pid, 0)
+        if timer:
+            timer.cancel()
     child.returncode = os.waitstatus_to_exitcode(status)
     return child.returncode, time.perf_counter() - start, usage.ru_maxrss / 1e6, log.read_text()
 
 
-def peers_python() -> Path:
-    """The peers' interpreter, the environment made first if it is missing."""
-    python = PEERS_VENV / "bin" / "python"
+def last_line(output: str) -> str:
+    """The last non-empty line, or the last frame of a progress bar drawn with carriage returns."""
+    lines = [part.strip() for line in output.splitlines() for part in line.split("\r") if part.strip()]
+    return lines[-1][:160] if lines else ""
+
+
+def peer_python(tool: Tool) -> Path:
+    """The tool's interpreter, its environment made first if it is missing. torch is pinned to the
+    CPU build while the tool installs, so that no dependency pulls a CUDA build."""
+    venv = REPO / tool.venv
+    python = venv / "bin" / "python"
     if not python.exists():
-        print(
-            f"making {PEERS_VENV.name} (torch 2.13.0 CPU, {', '.join(PEER_PACKAGES)}) ...", file=sys.stderr, flush=True
-        )
-        subprocess.run([sys.executable, "-m", "venv", str(PEERS_VENV)], check=True)
+        print(f"making {tool.venv} (torch 2.13.0 CPU, {', '.join(tool.packages)}) ...", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
         pip = [str(python), "-m", "pip", "install", "-q"]
         subprocess.run([*pip, "torch==2.13.0"], check=True)
-        subprocess.run([*pip, *PEER_PACKAGES], check=True)
+        pin = venv / "torch-pin.txt"
+        pin.write_text("torch==2.13.0\n")
+        subprocess.run([*pip, "-c", str(pin), *tool.packages], check=True)
     return python
 
 
@@ -128,6 +214,7 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, choices=[3, 4], help="the peers' weight bits")
     parser.add_argument("--seeds", type=int, default=1, help="calibration seeds 0..N-1 per row: mean ± std")
     parser.add_argument("--root", default="out/peers", help="exports and logs go here")
+    parser.add_argument("--timeout", type=float, help="stop a peer's quantization after this many seconds (a row)")
     args = parser.parse_args()
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
@@ -190,42 +277,38 @@ def main() -> None:
             progress(recipe, seed, runs[-1])
         row("compress (ours)", recipe, runs, note)
 
-    try:
-        python = peers_python()
-    except subprocess.CalledProcessError as e:
-        for name in args.peers:
-            row("llm-compressor 0.14.0.1", name, [], f"install failed: {e}")
-        return
+    pythons: dict[Tool, Path | str] = {}
     for peer in args.peers:
+        tool, method = PEERS[peer]
+        if tool not in pythons:
+            try:
+                pythons[tool] = peer_python(tool)
+            except subprocess.CalledProcessError as e:
+                pythons[tool] = f"install failed: {e}"
+        if isinstance(pythons[tool], str):
+            row(tool.name, f"{peer} W{args.bits}", [], pythons[tool])
+            continue
         runs, note = [], ""
         for seed in seeds:
             name = f"{peer}-w{args.bits}" + (f"-seed{seed}" if len(seeds) > 1 else "")
             out = root / name
             ids_file = root / f"calibration-seed{seed}.safetensors"
-            command = [
-                str(python),
-                "-c",
-                WORKER,
-                str(folder),
-                str(ids_file),
-                PEERS[peer],
-                "64",
-                str(args.bits),
-                str(out),
-            ]
-            status, wall, rss, output = run(command, root / f"{name}.log")
+            command = [str(pythons[tool]), "-c", tool.worker, str(folder), str(ids_file), method, "64"]
+            command += [str(args.bits), str(out)]
+            status, wall, rss, output = run(command, root / f"{name}.log", args.timeout)
             if status != 0:
-                last = [line for line in output.strip().splitlines() if line.strip()][-1:] or [f"exit status {status}"]
-                note = f"failed: {last[0][:160]}"
+                stopped = args.timeout and wall >= args.timeout
+                note = f"stopped after {wall:.0f} s (--timeout) at: " if stopped else "failed: "
+                note += last_line(output) or f"exit status {status}"
                 break
             seconds = json.loads(output.split("PEER-RESULT ", 1)[1].splitlines()[0])["seconds"]
             _, _, _, scored = run(
-                [*ours, "eval", str(out), "--reference", args.model, "--windows", str(args.windows)],
+                [*ours, "eval", str(out), "--reference", args.model, "--windows", str(args.windows), *tool.eval_args],
                 root / f"{name}-eval.log",
             )
             runs.append({"seconds": seconds, "wall": wall, "rss": rss} | scores(scored))
             progress(peer, seed, runs[-1])
-        row("llm-compressor 0.14.0.1", f"{peer} W{args.bits}", runs, note)
+        row(tool.name, f"{peer} W{args.bits}", runs, note)
 
 
 if __name__ == "__main__":
