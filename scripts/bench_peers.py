@@ -20,11 +20,11 @@ bf16 checkpoint as ours (the bundled model's cached safetensors folder), with ou
 samples (the exact ``samples`` × ``seqlen`` token ids ``compress apply`` calibrates on), at the
 scheme of our recipes: int4 (or int3), symmetric, groups of 64, lm_head dense; GPTQModel's other
 settings at its defaults (for GPTQ: its group-aware activation order, GAR, and 5% dampening).
-llm-compressor writes its export in its own compressed-tensors layout.
-GPTQModel writes its GPTQ/AWQ layouts, which our loader does not read: its worker writes a dense
-float32 copy instead, each quantized linear's weight read back through GPTQModel's own kernel
-(the layer applied to the identity matrix), and the row is scored from that copy in float32 (the
-dense reference then loads exactly as in bfloat16; the CPU computes in float32 either way).
+llm-compressor writes its export in its own compressed-tensors layout. GPTQModel writes its
+GPTQ/AWQ layouts, which our loader does not read: its worker writes a dense float32 copy instead,
+each quantized linear's weight read back through GPTQModel's own kernel (the layer applied to the
+identity matrix), and the row is scored from that copy in float32 (the dense reference then loads
+exactly as in bfloat16; the CPU computes in float32 either way).
 ``compress eval`` scores every export on the same windows, against the same dense reference, as
 ours. "compress s" is the quantization call alone (the model's load and the export's write
 excluded; ours: the block sweep), wall and peak RSS are the whole process's. A peer that fails is
@@ -214,7 +214,9 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4, choices=[3, 4], help="the peers' weight bits")
     parser.add_argument("--seeds", type=int, default=1, help="calibration seeds 0..N-1 per row: mean ± std")
     parser.add_argument("--root", default="out/peers", help="exports and logs go here")
-    parser.add_argument("--timeout", type=float, help="stop a peer's quantization after this many seconds (a row)")
+    parser.add_argument(
+        "--timeout", type=float, help="kill a peer's process after this many seconds; its row says how far it got"
+    )
     args = parser.parse_args()
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
