@@ -12,10 +12,11 @@ row as soon as each is measured.
 --seed``, the peers from the same seed's token ids) and shows mean ± standard deviation; a line
 per seed goes to stderr as it is scored.
 
-Each peer pins transformers (and compressed-tensors) versions other than ours, so each runs in a
-virtual environment of its own in the repository, made on first use from the CPU build of torch
-2.13.0: ``.venv-peers`` (llmcompressor 0.14.0.1) and ``.venv-gptqmodel`` (gptqmodel 7.6.0, the
-newest that accepts torch 2.13; it compiles nothing at install). Every peer row quantizes the same
+llm-compressor pins transformers and compressed-tensors versions other than ours, and GPTQModel
+brings dependencies of its own, so each runs in a virtual environment of its own in the
+repository, made on first use from the CPU build of torch 2.13.0: ``.venv-peers`` (llmcompressor
+0.14.0.1) and ``.venv-gptqmodel`` (gptqmodel 7.6.0, the newest that accepts torch 2.13; it
+compiles nothing at install). Every peer row quantizes the same
 bf16 checkpoint as ours (the bundled model's cached safetensors folder), with our calibration
 samples (the exact ``samples`` × ``seqlen`` token ids ``compress apply`` calibrates on), at the
 scheme of our recipes: int4 (or int3), symmetric, groups of 64, lm_head dense; GPTQModel's other
