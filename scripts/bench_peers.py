@@ -178,17 +178,13 @@ def last_line(output: str) -> str:
 
 def peer_python(tool: Tool) -> Path:
     """The tool's interpreter, its environment made first if it is missing. torch is pinned to the
-    CPU build while the tool installs, so that no dependency pulls a CUDA build."""
+    CPU build in the same install, so that no dependency pulls a CUDA build."""
     venv = REPO / tool.venv
     python = venv / "bin" / "python"
     if not python.exists():
         print(f"making {tool.venv} (torch 2.13.0 CPU, {', '.join(tool.packages)}) ...", file=sys.stderr, flush=True)
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        pip = [str(python), "-m", "pip", "install", "-q"]
-        subprocess.run([*pip, "torch==2.13.0"], check=True)
-        pin = venv / "torch-pin.txt"
-        pin.write_text("torch==2.13.0\n")
-        subprocess.run([*pip, "-c", str(pin), *tool.packages], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", *tool.packages], check=True)
     return python
 
 
