@@ -91,11 +91,30 @@ def quick(text: str, samples: int, seqlen: int) -> str:
     return yaml.safe_dump(data, sort_keys=False)
 
 
+def gguf_digest(path: Path) -> str:
+    """sha256 of a GGUF file's tensors (names, types, bytes) and metadata, but ``general.name``
+    (the folder the model was read from)."""
+    import gguf
+
+    reader, h = gguf.GGUFReader(path), hashlib.sha256()
+    for key, field in reader.fields.items():
+        if key != "general.name":
+            h.update(key.encode() + b"".join(bytes(part) for part in field.parts))
+    for t in reader.tensors:
+        h.update(t.name.encode() + str(t.tensor_type).encode() + bytes(t.data))
+    return h.hexdigest()
+
+
 def hashes_of(folder: Path) -> dict[str, str]:
     """sha256 of the weight files and of config.json, the latter without ``_name_or_path`` (the
-    folder the model was read from, a temporary one here)."""
+    folder the model was read from, a temporary one here); GGUF files by ``gguf_digest``."""
     files = sorted(p for p in folder.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".gguf"))
-    out = {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    out = {
+        str(p.relative_to(folder)): gguf_digest(p)
+        if p.suffix == ".gguf"
+        else hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in files
+    }
     config = json.loads((folder / "config.json").read_text())
     config.pop("_name_or_path", None)
     out["config.json"] = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()

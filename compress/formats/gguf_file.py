@@ -1,0 +1,364 @@
+"""GGUF files for llama.cpp (and ollama, LM Studio) from an export: our GPTQ/AWQ/RTN integers and
+scales packed bit for bit into llama.cpp's block formats, with no rounding of their own.
+
+At group size 32 our weights map onto llama.cpp's blocks of 32 exactly (``q`` our signed
+integers, ``s`` the scale, ``z`` the zero-point, ``w = (q - z) * s``):
+
+- Q4_0 (4-bit symmetric): ``w = d * (u - 8)`` with ``u = q + 8`` and ``d = s``;
+- Q4_1 (4-bit asymmetric): ``w = d * u + m`` with ``u = q + 8``, ``d = s`` and ``m = -s * (8 + z)``;
+- Q8_0 (8-bit symmetric): ``w = d * q`` with ``d = s``.
+
+``d`` and ``m`` are float16 in the file; a recipe that exports GGUF rounds its scales to float16
+numbers (``QuantScheme.fp16_scales``) so they are stored exactly, and computes in float32 so
+that each dequantized weight is the same number here and in llama.cpp. Dense matrices are
+written F16 where that is exact (F32 otherwise), norms and biases F32. Metadata and the
+tokenizer follow llama.cpp's own converter (``convert_hf_to_gguf.py``) for the families listed
+in ``ARCHES``. The file is written tensor by tensor (one tensor in memory at a time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from hashlib import sha256
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GROUP = 32
+
+
+@dataclass(frozen=True)
+class BlockType:
+    bits: int
+    symmetric: bool
+
+    def describe(self) -> str:
+        return f"{self.bits}-bit {'symmetric' if self.symmetric else 'asymmetric'} weights in groups of {GROUP}"
+
+
+TYPES = {"q4_0": BlockType(4, True), "q4_1": BlockType(4, False), "q8_0": BlockType(8, True)}
+# transformers model_type -> llama.cpp architecture (Mistral is written as Llama, as llama.cpp does)
+ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+PERMUTED = ("llama",)  # llama.cpp's Llama rotates q/k rows pairwise interleaved, not by halves
+FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7}  # llama_ftype: MOSTLY_Q4_0, MOSTLY_Q4_1, MOSTLY_Q8_0
+
+# llama.cpp names a GPT-2-style tokenizer's pre-tokenizer by hashing the ids of this text
+# (``get_vocab_base_pre`` in its converter); the families we write, by hash:
+_CHECK_TEXT = "\n \n\n \n\n\n \t \t\t \t\n  \n   \n    \n     \n🚀 (normal) 😶\u200d🌫️ (multiple emojis concatenated) ✅ 🦙🦙 3 33 333 3333 33333 333333 3333333 33333333 3.3 3..3 3...3 កាន់តែពិសេសអាច😁 ?我想在apple工作1314151天～ ------======= нещо на Български ''''''```````\"\"\"\"......!!!!!!?????? I've been 'told he's there, 'RE you sure? 'M not sure I'll make it, 'D you like some tea? We'Ve a'lL"  # noqa: E501
+_PRE_TOKENIZERS = {
+    "855059429035d75a914d1eda9f10a876752e281a054a7a3d421ef0533e5b6249": "smollm",
+    "0ef9807a4087ebef797fc749390439009c3b9eda9ad1a097abbe738f486c01e5": "llama-bpe",
+    "e636dc30a262dcc0d8c323492e32ae2b70728f4df7dfe9737d9f920a282b8aea": "qwen2",
+    "d4540891389ea895b53b399da6ac824becc30f2fba0e9ddbb98f92e55ca0e97c": "qwen2",
+}
+
+
+class GGUFError(RuntimeError):
+    """A model, recipe or export that cannot be written as the GGUF asked for."""
+
+
+def file_name(gguf_type: str | None) -> str:
+    return f"model-{gguf_type or 'f16'}.gguf"
+
+
+def type_problem(gguf_type: str) -> str | None:
+    if gguf_type not in TYPES:
+        return f"GGUF type {gguf_type!r} is not one we write; choose one of {', '.join(TYPES)}"
+    return None
+
+
+def scheme_problem(gguf_type: str, bits: int, group_size, symmetric: bool) -> str | None:
+    """Why weights quantized so cannot be written as ``gguf_type`` blocks, or None."""
+    need = TYPES[gguf_type]
+    if (bits, group_size, symmetric) != (need.bits, GROUP, need.symmetric):
+        got = f"{bits}-bit {'symmetric' if symmetric else 'asymmetric'}, group_size {group_size}"
+        options = f"bits: {need.bits}, group_size: {GROUP}, symmetric: {str(need.symmetric).lower()}"
+        return f"GGUF {gguf_type} needs {need.describe()} ({options}); got {got}"
+    return None
+
+
+def family_problem(model_type: str | None) -> str | None:
+    if model_type not in ARCHES:
+        return f"GGUF export knows the families {', '.join(sorted(ARCHES))}; this model is {model_type!r}"
+    return None
+
+
+# --- packing our integers into llama.cpp's blocks -------------------------------------------
+
+
+def _fp16(t: torch.Tensor, what: str) -> np.ndarray:
+    half = t.to(torch.float16)
+    if not torch.equal(half.float(), t.float()):
+        raise GGUFError(f"{what} are not float16 numbers, so GGUF cannot store them exactly")
+    return half.numpy()
+
+
+def pack_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gguf_type: str, name: str) -> np.ndarray:
+    """(rows, cols) signed integers with per-32 ``scale``/``zero`` -> (rows, bytes per row) uint8
+    in llama.cpp's block layout (``block_q4_0``, ``block_q4_1``, ``block_q8_0``)."""
+    rows, cols = q.shape
+    blocks = q.reshape(rows, cols // GROUP, GROUP).to(torch.int16)
+    d = _fp16(scale, f"{name}'s scales").reshape(rows, -1, 1).view(np.uint8)  # (rows, blocks, 2)
+    if gguf_type == "q8_0":
+        payload = blocks.to(torch.int8).numpy().view(np.uint8)
+        parts = [d, payload]
+    else:
+        u = (blocks + 8).to(torch.uint8).numpy()  # 0..15
+        nibbles = u[..., :16] | (u[..., 16:] << 4)  # byte j holds weights j (low) and j + 16 (high)
+        parts = [d, nibbles]
+        if gguf_type == "q4_1":
+            m = -(scale.float() * (8 + zero.float()))
+            parts.insert(1, _fp16(m, f"{name}'s minimums (-scale * (8 + zero))").reshape(rows, -1, 1).view(np.uint8))
+        elif bool(zero.any()):
+            raise GGUFError(f"{name} has zero-points; q4_0 stores symmetric weights only")
+    return np.concatenate(parts, axis=-1).reshape(rows, -1)
+
+
+def _permute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute``: within each head, rows (0..d/2, d/2..d) -> interleaved."""
+    return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+# --- reading an export ----------------------------------------------------------------------
+
+
+class _Export:
+    """The tensors of an export folder, read one at a time, and its quantized linears."""
+
+    def __init__(self, folder: Path):
+        from .compressed_tensors import Reader
+        from .safetensors import Checkpoint
+
+        self.folder = folder
+        self.checkpoint = Checkpoint(folder)
+        self.where = self.checkpoint.file_of
+        self.shapes = self.checkpoint.shapes()
+        self.config = json.loads((folder / "config.json").read_text())
+        self.qconfig = self.config.get("quantization_config")
+        compressed = (self.qconfig or {}).get("quant_method") == "compressed-tensors"
+        self.layout = Reader(self.qconfig) if compressed else None
+
+    def read(self, key: str) -> torch.Tensor:
+        return self.checkpoint.read([key])[key]
+
+    def linears(self) -> list[str]:
+        return self.layout.quantized_linears(self.checkpoint) if self.layout else []
+
+    def scheme_of(self, name: str):
+        """(bits, group_size, symmetric) of a quantized linear, from the compressed-tensors config."""
+        scheme = self.layout.scheme_for(name) if self.layout else None
+        if scheme is None:
+            raise GGUFError(f"{name}: the export's quantization_config names no scheme for it")
+        w = scheme.weights
+        return w.num_bits, w.group_size or -1, w.symmetric
+
+    def weight_shape(self, name: str) -> list[int]:
+        if f"{name}.weight_packed" in self.where:
+            return self.read(f"{name}.weight_shape").tolist()
+        return self.shapes[f"{name}.weight"]
+
+    def integers(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, scale, zero) of a quantized linear: signed integers (out, in) and (out, groups) each."""
+        qw = self.layout.integers(self.checkpoint, name)
+        return qw.q, qw.scale, qw.zero_point
+
+
+# --- metadata -------------------------------------------------------------------------------
+
+
+def _rope_theta(config: dict) -> float | None:
+    rope = config.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    return rope.get("rope_theta", config.get("rope_theta"))
+
+
+def _add_hyperparameters(writer, config: dict, arch: str, gguf_type: str | None) -> None:
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    writer.add_name(config.get("_name_or_path") or arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    if (theta := _rope_theta(config)) is not None:
+        writer.add_rope_freq_base(float(theta))
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if config.get("head_dim") is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if arch == "llama":
+        writer.add_vocab_size(config["vocab_size"])
+        writer.add_rope_dimension_count(head_dim)
+    writer.add_file_type(FILE_TYPES[gguf_type] if gguf_type else 1)  # 1: mostly F16
+    writer.add_quantization_version(2)  # GGML_QNT_VERSION
+
+
+def _add_tokenizer(writer, folder: Path, vocab_size: int) -> None:
+    """A GPT-2-style (byte-level BPE) tokenizer as llama.cpp's converter writes it."""
+    import gguf
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vocab = tokenizer.get_vocab()
+    if max(vocab.values()) >= vocab_size:
+        raise GGUFError(f"the tokenizer has ids up to {max(vocab.values())} but the model only {vocab_size} rows")
+    checksum = sha256(str(tokenizer.encode(_CHECK_TEXT)).encode()).hexdigest()
+    pre = _PRE_TOKENIZERS.get(checksum)
+    if pre is None:
+        print(
+            "[compress] warning: llama.cpp will not recognise this tokenizer's pre-tokenizer; it uses its default one"
+        )
+    by_id = {i: t for t, i in vocab.items()}
+    added = tokenizer.get_added_vocab()
+    added_decoder = tokenizer.added_tokens_decoder
+    tokens, types = [], []
+    for i in range(vocab_size):
+        token = by_id.get(i)
+        if token is None:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+        elif token in added:
+            special = added_decoder[i].special
+            types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+            tokens.append(token)
+        else:
+            tokens.append(token)
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre or "default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+
+
+# --- the file -------------------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    """One tensor of the file: its GGUF name, shape, type and how to produce its data."""
+
+    name: str
+    source: str  # the export's tensor, or quantized linear's name
+    quantized: bool
+    gguf_type: str  # q4_0 / q4_1 / q8_0 / f16 / f32
+
+
+def _plan(export: _Export, tensor_map, embedding: str) -> list[_Entry]:
+    linears = set(export.linears())
+    entries = []
+    keys = [k for k in export.where if k.rsplit(".", 1)[0] not in linears] + [f"{n}.weight" for n in linears]
+    for key in sorted(keys):
+        gguf_name = tensor_map.get_name(key, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise GGUFError(f"no llama.cpp name for the tensor {key}")
+        owner = key.rsplit(".", 1)[0]
+        if owner in linears:
+            bits, group, symmetric = export.scheme_of(owner)
+            gguf_type = next(
+                (t for t, b in TYPES.items() if (b.bits, GROUP, b.symmetric) == (bits, group, symmetric)), None
+            )
+            if gguf_type is None:
+                kinds = "; ".join(f"{t}: {b.describe()}" for t, b in TYPES.items())
+                raise GGUFError(f"{owner}: {bits}-bit weights in groups of {group} fit no GGUF type we write ({kinds})")
+            entries.append(_Entry(gguf_name, owner, True, gguf_type))
+        elif len(export.shapes[key]) == 1:
+            entries.append(_Entry(gguf_name, key, False, "f32"))
+        elif gguf_name.startswith(("token_embd", "output.")) and embedding == "q8_0":
+            entries.append(_Entry(gguf_name, key, False, "q8_0"))
+        else:
+            t = export.read(key).float()
+            entries.append(_Entry(gguf_name, key, False, "f16" if torch.equal(t.half().float(), t) else "f32"))
+    return entries
+
+
+_GGML = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "f16": "F16", "f32": "F32"}
+
+
+def _data(export: _Export, entry: _Entry, config: dict, arch: str) -> np.ndarray:
+    from ..quant import QuantScheme, quantize_weight
+
+    permute = None
+    if arch in PERMUTED and entry.name.endswith(("attn_q.weight", "attn_q.bias")):
+        permute = config["num_attention_heads"]
+    elif arch in PERMUTED and entry.name.endswith(("attn_k.weight", "attn_k.bias")):
+        permute = config.get("num_key_value_heads") or config["num_attention_heads"]
+    if entry.quantized:
+        q, scale, zero = export.integers(entry.source)
+        if permute:
+            q, scale, zero = (_permute_rows(t, permute) for t in (q, scale, zero))
+        return pack_blocks(q, scale, zero, entry.gguf_type, entry.source)
+    t = export.read(entry.source).float()
+    if permute:
+        t = _permute_rows(t, permute)
+    if entry.gguf_type == "q8_0":  # an embedding rounded as llama.cpp's Q8_0 would (not evaluated by us)
+        qw = quantize_weight(t, QuantScheme(8, GROUP, True, fp16_scales=True), torch.float32)
+        return pack_blocks(qw.q, qw.scale, qw.zero_point, "q8_0", entry.source)
+    return t.numpy().astype(np.float16 if entry.gguf_type == "f16" else np.float32)
+
+
+def _info(export: _Export, entry: _Entry) -> tuple[tuple[int, ...], np.dtype, int]:
+    """Shape, numpy dtype and bytes of an entry's data, without computing it."""
+    import gguf
+
+    if entry.quantized:
+        shape = export.weight_shape(entry.source)
+    else:
+        shape = export.shapes[entry.source]
+    if entry.gguf_type in ("f16", "f32"):
+        dtype = np.dtype(np.float16 if entry.gguf_type == "f16" else np.float32)
+        return tuple(shape), dtype, int(np.prod(shape)) * dtype.itemsize
+    block, size = gguf.GGML_QUANT_SIZES[getattr(gguf.GGMLQuantizationType, _GGML[entry.gguf_type])]
+    row_bytes = shape[-1] // block * size
+    return (*shape[:-1], row_bytes), np.dtype(np.uint8), int(np.prod(shape[:-1])) * row_bytes
+
+
+def write(folder: str | Path, gguf_type: str | None, out: str | Path, embedding: str = "dense") -> Path:
+    """Write ``out`` (a .gguf file) from the export in ``folder``: its quantized linears as
+    ``gguf_type`` blocks (None: an export with no quantized linear, written F16/F32). Written
+    beside ``out`` and renamed at the end."""
+    import gguf
+
+    folder, out = Path(folder), Path(out)
+    export = _Export(folder)
+    config = export.config
+    if problem := family_problem(config.get("model_type")):
+        raise GGUFError(problem)
+    if (folder / "adapter").is_dir():
+        raise GGUFError(f"{folder} carries a LoRA adapter, which GGUF files do not hold; merge it (merge: true)")
+    if (export.qconfig or {}).get("quant_method") == "bitsandbytes":
+        raise GGUFError(
+            f"{folder} holds bitsandbytes NF4/FP4 weights, which GGUF has no type for; use an integer recipe"
+        )
+    arch = ARCHES[config["model_type"]]
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
+    tensor_map = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
+    entries = _plan(export, tensor_map, embedding)
+    if gguf_type is not None:
+        if wrong := [e for e in entries if e.quantized and e.gguf_type != gguf_type]:
+            raise GGUFError(f"{wrong[0].source}: {scheme_problem(gguf_type, *export.scheme_of(wrong[0].source))}")
+    partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    writer = gguf.GGUFWriter(partial, arch)
+    try:
+        _add_hyperparameters(writer, config, arch, gguf_type)
+        _add_tokenizer(writer, folder, config["vocab_size"])
+        for e in entries:  # every tensor is listed before the data
+            shape, dtype, nbytes = _info(export, e)
+            raw = getattr(gguf.GGMLQuantizationType, _GGML[e.gguf_type]) if dtype == np.uint8 else None
+            writer.add_tensor_info(e.name, shape, dtype, nbytes, raw_dtype=raw)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for e in entries:
+            writer.write_tensor_data(_data(export, e, config, arch))
+        writer.close()
+        os.replace(partial, out)
+    finally:
+        writer.close()
+        partial.unlink(missing_ok=True)
+    return out
