@@ -15,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from . import data, distributed, export, gguf_export, kv_quant, machine, memory, models, resume
+from . import data, distributed, export, kv_quant, machine, memory, models, resume
 from .evaluate import evaluate, windows_of
+from .formats import gguf_file
 from .passes import ModelPass, RecipeError
 from .pipeline import activation_store, run_passes
 from .recipe import Recipe
@@ -104,8 +105,8 @@ def apply(
         p.check(model.model)  # shapes, group sizes, patterns: before any compute
     calibration_dtype = calibration_dtype or recipe.calibration.dtype
     compute = _calibration_dtype(calibration_dtype, dev)
-    if gguf is not None and (problem := gguf_export.family_problem(model.model.config.model_type)):
-        raise gguf_export.GGUFError(problem)
+    if gguf is not None and (problem := gguf_file.family_problem(model.model.config.model_type)):
+        raise gguf_file.GGUFError(problem)
     ev = recipe.evaluation
     seqlen, windows = eval_seqlen or ev.seqlen, eval_windows or ev.windows
     eval_data = windows_of(tokenizer, ev.ppl, seqlen, windows) if evaluate_after and ev.ppl else None
@@ -226,7 +227,7 @@ def apply(
             export.size_on_disk(written) / 1e6,
             compress_s,
             peak_rss_gb(),
-            training={p.where: p.log for p in recipe.passes if getattr(p, "log", None)},
+            training={p.where: p.log for p in recipe.passes if p.log},
         )
         del model, loaded
         if eval_data is not None:

@@ -11,21 +11,18 @@ comparable because the only thing that differs is who rounded the weights. Nothi
 these formats are not compressed-tensors ones, and transformers reloads them only through
 bitsandbytes.
 
-The QLoRA pass's ``base: nf4`` rounds the weights with the same bitsandbytes call
-(``round_4bit``) and exports them as transformers serializes a ``load_in_4bit`` model
-(``export_tensors``, ``export_config``), so that ``from_pretrained`` loads the export as
-``Linear4bit`` modules and peft puts the adapter on them, as QLoRA's users do.
+The QLoRA pass's ``base: nf4`` rounds the weights with the same bitsandbytes call and exports
+them as transformers serializes a ``load_in_4bit`` model: ``compress/formats/bitsandbytes.py``.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
 
 import torch
 
 from . import lazy, models
+from .formats.bitsandbytes import quiet
 
 # scheme -> BitsAndBytesConfig keywords (compute dtype added at load)
 SCHEMES = {
@@ -49,7 +46,7 @@ def load(source: str, scheme: str, device: torch.device, dtype: torch.dtype = to
             f"--bitsandbytes rounds a dense model's weights; {source} is already quantized "
             f"({config['quantization_config'].get('quant_method', 'quantization_config')}): give the original"
         )
-    _quiet()
+    quiet()
     try:
         import bitsandbytes  # noqa: F401 - only to say what is missing before transformers does
     except ImportError:
@@ -69,74 +66,6 @@ def load(source: str, scheme: str, device: torch.device, dtype: torch.dtype = to
     models.cast_params(model, device, compute)  # the rest (norms, embeddings, lm_head) as we evaluate it
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return models.Loaded(lazy.StreamedModel(model.eval()), tokenizer)
-
-
-BLOCKSIZE = 64  # what load_in_4bit uses
-
-
-def round_4bit(linear: torch.nn.Linear, dtype: torch.dtype, quant_type: str = "nf4") -> None:
-    """Round ``linear``'s weight, seen in ``dtype`` (the checkpoint's: what ``load_in_4bit`` rounds),
-    to bitsandbytes' 4-bit codes in blocks of 64. The codes are kept on the linear for the export
-    (``rounded_4bit_of``); its weight becomes what bitsandbytes dequantizes them to."""
-    _quiet()
-    import bitsandbytes.functional as F
-
-    weight = linear.weight.data
-    codes, state = F.quantize_4bit(
-        weight.detach().cpu().to(dtype).contiguous(), blocksize=BLOCKSIZE, quant_type=quant_type
-    )
-    linear.bnb_4bit = (codes, state)
-    linear.weight.data = F.dequantize_4bit(codes, state).to(weight.device, weight.dtype)
-
-
-def rounded_4bit_of(linear: torch.nn.Module):
-    """(codes, bitsandbytes QuantState) of a linear ``round_4bit`` rounded, else None."""
-    return getattr(linear, "bnb_4bit", None)
-
-
-def export_tensors(name: str, rounded) -> dict[str, torch.Tensor]:
-    """A rounded linear's weight as transformers saves a ``Linear4bit``: the packed codes under
-    ``{name}.weight``, the block scales and code table beside them."""
-    codes, state = rounded
-    return {f"{name}.weight": codes, **{f"{name}.weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
-
-
-def stored_bits(rounded) -> int:
-    """Bits a rounded linear stores: codes and block scales (4.5 per weight with fp32 scales)."""
-    codes, state = rounded
-    return 8 * (codes.nbytes + state.absmax.nbytes)
-
-
-def export_config(quant_type: str, dtype: torch.dtype, dense: list[str]) -> dict:
-    """The ``quantization_config`` transformers writes for a ``load_in_4bit`` model, with the linears
-    left dense (lm_head, ``ignore``) named, as transformers' default list would not know them."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(
-        load_in_4bit=True, bnb_4bit_quant_type=quant_type, bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=dense
-    ).to_dict()
-
-
-def dequantize_4bit(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    """A weight from ``export_tensors``' parts (keys without the linear's name), as bitsandbytes'
-    ``Linear4bit`` dequantizes it."""
-    _quiet()
-    import bitsandbytes.functional as F
-
-    state = F.QuantState.from_dict({k.removeprefix("weight."): v for k, v in tensors.items() if k != "weight"}, "cpu")
-    return F.dequantize_4bit(tensors["weight"], state)
-
-
-@functools.cache
-def _quiet() -> None:
-    """Drop two messages bitsandbytes logs that say nothing to act on: that its optional CPU kernels
-    from the hub's ``kernels`` package are absent (it falls back to its own), and, on every
-    LLM.int8 call, that the rows are cast to fp16 (that is how LLM.int8 multiplies)."""
-    for logger, text in (
-        ("bitsandbytes.backends.cpu.ops", "kernels-community"),
-        ("bitsandbytes.autograd._functions", "inputs will be cast"),
-    ):
-        logging.getLogger(logger).addFilter(lambda record, text=text: text not in record.getMessage())
 
 
 def bits_per_weight(model: torch.nn.Module) -> tuple[float, int]:

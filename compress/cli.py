@@ -23,9 +23,9 @@ from .arch import UnknownArchitecture
 from .data import DataError
 from .decode import DecodeError
 from .export import MANIFEST, ExportError
-from .gguf_export import TYPES as GGUF_TYPES
-from .gguf_export import GGUFError
-from .lazy import CheckpointError
+from .formats.gguf_file import TYPES as GGUF_TYPES
+from .formats.gguf_file import GGUFError
+from .formats.safetensors import CheckpointError
 from .memory import MemoryPlanError
 from .models import DEFAULT_MODEL, ModelLoadError
 from .passes import RecipeError
@@ -87,18 +87,18 @@ def _apply(args) -> None:
 
 
 def _export(args) -> None:
-    from . import gguf_export
+    from .formats import gguf_file
 
     folder = Path(args.folder)
     if not (folder / MANIFEST).is_file():
         raise ExportError(f"{folder} is not an export of ours (no {MANIFEST}); run `compress apply` first")
-    out = Path(args.output) if args.output else folder / gguf_export.file_name(args.gguf)
+    out = Path(args.output) if args.output else folder / gguf_file.file_name(args.gguf)
     if out.exists() and not (args.overwrite and out.is_file() and out.suffix == ".gguf"):
         why = "pass --overwrite" if out.is_file() and out.suffix == ".gguf" else "choose another --output"
         raise ExportError(f"{out} exists; {why}")
     if not os.access(out.absolute().parent, os.W_OK):
         raise ExportError(f"{out.absolute().parent} is not writable; choose another --output")
-    written = gguf_export.write(folder, args.gguf, out, args.embedding)
+    written = gguf_file.write(folder, args.gguf, out, args.embedding)
     print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
 
 

@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from .state import State
+
 CONFIG_KEY = "compress_lowrank"
 
 
@@ -37,6 +39,35 @@ class Factored(torch.nn.Sequential):
     @property
     def rank(self) -> int:
         return self[0].out_features
+
+
+class FactorPair(State, attr="factored"):
+    """The state of a layer that *is* a ``Factored`` pair: its shape, so that a resume checkpoint
+    can put an empty pair in the linear's place before the pair's tensors are loaded."""
+
+    structural = True
+    holds_tensors = False  # the pair's own parameters are freed as any module's
+
+    def __init__(self, in_features: int, out_features: int, rank: int, bias: bool):
+        self.shape = [in_features, out_features, rank, bias]
+
+    @classmethod
+    def of(cls, module):
+        if not isinstance(module, Factored):
+            return None
+        return cls(module[0].in_features, module[1].out_features, module.rank, module[1].bias is not None)
+
+    def attach(self, module):
+        raise TypeError("a factored layer is a module of its own; replace the linear with Factored.empty")
+
+    def saved(self):
+        return {}, {"shape": self.shape}
+
+    @classmethod
+    def restore(cls, block, name, tensors, meta) -> None:
+        parent, _, leaf = name.rpartition(".")
+        dtype = next(block.parameters()).dtype
+        setattr(block.get_submodule(parent) if parent else block, leaf, Factored.empty(*meta["shape"], dtype))
 
 
 def rank_for_ratio(out_features: int, in_features: int, ratio: float) -> int:

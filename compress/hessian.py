@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,16 @@ def statistics_dtype(device: torch.device) -> torch.dtype:
     if device.type == "cuda" and torch.cuda.get_device_capability(device) not in ((8, 0), (9, 0)):
         return torch.float32  # consumer GPUs run float64 at 1/32–1/64 of float32
     return torch.float64
+
+
+class Statistic(Protocol):
+    """What a pass collects about one linear's inputs (``Pipeline.observe``): made for the linear,
+    fed every calibration batch that reaches it (``add``), then summed over processes (``reduce``,
+    a no-op with one)."""
+
+    def add(self, x: torch.Tensor) -> None: ...
+
+    def reduce(self) -> None: ...
 
 
 class Hessian:

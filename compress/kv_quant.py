@@ -44,16 +44,19 @@ import contextlib
 import functools
 import inspect
 from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from .state import State
 
 CONFIG_KEY = "compress_kv_cache"
 ATTENTION = "compress_kivi_simulation"
 
 
 @dataclass(frozen=True)
-class KVScheme:
+class KVScheme(State, attr="kv_scheme"):
     bits: int = 4
     group_size: int = 32  # keys: tokens sharing a per-channel scale; values: channels sharing a per-token scale
     residual: int = 128  # recent tokens kept in full precision; a multiple of group_size, or 0
@@ -62,6 +65,8 @@ class KVScheme:
     key_group_size: int | None = None  # tokens sharing a key channel's scale; None: group_size
     fp8_key_scales: bool = False  # key scales in float8 e4m3, minima in 16 bits
     rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot); head_dim a power of 2
+
+    holds_tensors: ClassVar[bool] = False
 
     @property
     def key_group(self) -> int:
@@ -76,6 +81,13 @@ class KVScheme:
             raise ValueError(f"sinks must be 0 or more, got {self.sinks}")
         if self.key_group <= 0 or self.residual % self.key_group:
             raise ValueError(f"residual ({self.residual}) must be 0 or a multiple of key_group_size ({self.key_group})")
+
+    def saved(self):
+        return {}, asdict(self)
+
+    @classmethod
+    def restored(cls, tensors, meta):
+        return cls(**meta)
 
     def quantized_upto(self, tokens: int) -> int:
         """Of ``tokens`` cached tokens, a decoder holds ``sinks .. quantized_upto(tokens)`` quantized:
@@ -284,7 +296,7 @@ def _simulated_attention(module, query, key, value, attention_mask, scaling, dro
     decoder would hold them at that step (see the module docstring)."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    s: KVScheme = module.kv_scheme
+    s = KVScheme.of(module)
     n, q_len = key.shape[-2], query.shape[-2]
     a, b = min(s.sinks, n), s.quantized_upto(n)  # the chunks a decoder ends up holding quantized
     kq, vq = key.clone(), value.clone()
@@ -325,7 +337,7 @@ def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def scheme_of(model: torch.nn.Module) -> KVScheme | None:
-    schemes = {getattr(m, "kv_scheme", None) for m in attention_modules(model)} - {None}
+    schemes = {KVScheme.of(m) for m in attention_modules(model)} - {None}
     if len(schemes) > 1:
         raise ValueError("different KV-cache schemes per layer are not supported")
     return schemes.pop() if schemes else None
@@ -335,7 +347,7 @@ def install(model: torch.nn.Module, scheme: KVScheme | dict) -> None:
     """Mark every attention module of ``model`` with the scheme (after load, from the config)."""
     scheme = scheme if isinstance(scheme, KVScheme) else KVScheme(**scheme)
     for m in attention_modules(model):
-        m.kv_scheme = scheme
+        scheme.attach(m)
 
 
 def config_entry(scheme: KVScheme) -> dict:

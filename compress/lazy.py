@@ -15,145 +15,16 @@ a quantized KV cache is marked on the attention modules.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import json
-import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from . import factored, kv_quant, moe
 from .arch import arch_of, decoder_layers
-from .quant import ActivationScheme, quantize_inputs
-
-# what passes leave on a linear besides its weight (quant.attach, sparsity.apply_mask, LoRC):
-# dropped with the block's tensors
-_RECORDS = ("quantized", "prune_mask", "lora", "bnb_4bit")
-
-
-class CheckpointError(RuntimeError):
-    pass
-
-
-class Checkpoint:
-    """The tensors of a safetensors checkpoint (one file, or shards listed by an index), by name.
-
-    Files are opened for each read and closed after it: a memory map kept open would count
-    every page ever read in the process's resident memory."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        index = folder / "model.safetensors.index.json"
-        if index.exists():
-            self.file_of = {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        else:
-            files = sorted(folder.glob("*.safetensors"))
-            if not files:
-                raise CheckpointError(f"{folder} has no *.safetensors file (only safetensors checkpoints are read)")
-            self.file_of = {}
-            for f in files:
-                with self._open(f) as st:
-                    self.file_of.update({k: f for k in st.keys()})
-
-    def _open(self, path: Path):
-        try:
-            return safe_open(path, framework="pt")
-        except Exception as e:  # safetensors raises its own error types for bad headers
-            raise CheckpointError(
-                f"{path} is not a readable safetensors file ({e}); re-download or re-export it"
-            ) from None
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.file_of
-
-    def read(self, keys) -> dict[str, torch.Tensor]:
-        by_file: dict[Path, list[str]] = {}
-        for k in keys:
-            by_file.setdefault(self.file_of[k], []).append(k)
-        out = {}
-        for path, names in by_file.items():
-            with self._open(path) as st:
-                for k in names:
-                    out[k] = st.get_tensor(k).clone()  # our own memory, not a view of the file's map
-        return out
-
-
-class _CompressedTensors:
-    """How an export of the compressed-tensors layout stores each quantized linear."""
-
-    def __init__(self, qconfig: dict):
-        from compressed_tensors.compressors import BaseCompressor
-        from compressed_tensors.quantization import QuantizationConfig
-
-        config = QuantizationConfig.model_validate(qconfig)
-        self.format = config.format
-        self.compressor = BaseCompressor.get_value_from_registry(config.format)
-        self.ignore = set(config.ignore or [])
-        self.groups = list(config.config_groups.values())
-
-    def scheme_of(self, name: str, module: torch.nn.Module):
-        if not isinstance(module, torch.nn.Linear) or name in self.ignore:
-            return None
-        for scheme in self.groups:
-            for target in scheme.targets:
-                regex = target.startswith("re:") and re.fullmatch(target[3:], name)
-                if target == "Linear" or target == name or regex:
-                    return scheme
-        return None
-
-    def keys(self, stored: str, checkpoint: Checkpoint) -> list[str]:
-        return [f"{stored}.{k}" for k in _QUANTIZED_PARTS if f"{stored}.{k}" in checkpoint]
-
-    def weight(self, tensors: dict[str, torch.Tensor], scheme) -> torch.Tensor:
-        return self.compressor.decompress(tensors, scheme)["weight"]
-
-
-class _Bitsandbytes4bit:
-    """An export whose linears are stored as transformers saves a ``load_in_4bit`` model (QLoRA's
-    ``base: nf4``): each dequantized by bitsandbytes' own code."""
-
-    format = "bitsandbytes-4bit"
-
-    def __init__(self, qconfig: dict, checkpoint: Checkpoint):
-        if not qconfig.get("load_in_4bit"):
-            raise CheckpointError(f"{checkpoint.folder}: bitsandbytes 8-bit checkpoints cannot be read (4-bit can)")
-        if importlib.util.find_spec("bitsandbytes") is None:
-            raise CheckpointError(f"{checkpoint.folder} holds bitsandbytes 4-bit weights: pip install bitsandbytes")
-        self.checkpoint = checkpoint
-
-    def scheme_of(self, name: str, module: torch.nn.Module) -> bool | None:
-        """True for a linear stored in 4 bits (its block scales are there), None for a dense one."""
-        if isinstance(module, torch.nn.Linear) and f"{name}.weight.absmax" in self.checkpoint:
-            return True
-        return None
-
-    def keys(self, stored: str, checkpoint: Checkpoint) -> list[str]:
-        return [f"{stored}.weight"] + [k for k in checkpoint.file_of if k.startswith(f"{stored}.weight.")]
-
-    def weight(self, tensors: dict[str, torch.Tensor], scheme) -> torch.Tensor:
-        from . import bnb
-
-        return bnb.dequantize_4bit(tensors)
-
-
-class _Adapter:
-    """An exported LoRA adapter (LoRC, QLoRA), merged into each linear as it is read, as peft's
-    ``merge_and_unload`` would: ``W + (B @ A) * alpha / r`` in float32, rounded once."""
-
-    def __init__(self, folder: Path):
-        cfg = json.loads((folder / "adapter_config.json").read_text())
-        self.r, self.alpha = cfg["r"], cfg.get("lora_alpha", cfg["r"])
-        self.rank_pattern, self.alpha_pattern = cfg.get("rank_pattern") or {}, cfg.get("alpha_pattern") or {}
-        self.checkpoint = Checkpoint(folder)
-
-    def merge(self, name: str, weight: torch.Tensor) -> torch.Tensor:
-        a, b = f"base_model.model.{name}.lora_A.weight", f"base_model.model.{name}.lora_B.weight"
-        if a not in self.checkpoint:
-            return weight
-        t = self.checkpoint.read([a, b])
-        scaling = self.alpha_pattern.get(name, self.alpha) / self.rank_pattern.get(name, self.r)
-        return (weight.float() + (t[b].float() @ t[a].float()) * scaling).to(weight.dtype)
+from .formats import bitsandbytes, compressed_tensors, peft_adapter
+from .formats.safetensors import Checkpoint, CheckpointError
+from .quant import ActivationScheme
+from .state import drop_all
 
 
 def _meta_like(t: torch.Tensor) -> torch.Tensor:
@@ -172,8 +43,8 @@ class StreamedModel:
         model: torch.nn.Module,
         checkpoint: Checkpoint | None = None,
         dtype: torch.dtype | None = None,
-        quantized: _CompressedTensors | _Bitsandbytes4bit | None = None,
-        adapter: _Adapter | None = None,
+        quantized: compressed_tensors.Reader | bitsandbytes.Reader | None = None,
+        adapter: peft_adapter.Reader | None = None,
     ):
         self.model, self.checkpoint = model, checkpoint
         self.dtype = dtype or model.dtype
@@ -250,9 +121,6 @@ class StreamedModel:
             sub._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
 
 
-_QUANTIZED_PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
-
-
 def streamed(model) -> StreamedModel:
     """``model`` as a ``StreamedModel``: a plain transformers model counts as all read."""
     return model if isinstance(model, StreamedModel) else StreamedModel(model)
@@ -265,8 +133,7 @@ def release(module: torch.nn.Module) -> None:
         for leaf, p in list(sub._parameters.items()):
             if p is not None:
                 sub._parameters[leaf] = torch.nn.Parameter(_meta_like(p), requires_grad=False)
-        for attr in _RECORDS:
-            sub.__dict__.pop(attr, None)
+    drop_all(module)
     _return_freed_memory()
 
 
@@ -310,9 +177,9 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
         factored.install(model, ranks)
     checkpoint, method = Checkpoint(where), qconfig and qconfig.get("quant_method")
     if method == "compressed-tensors":
-        quantized = _CompressedTensors(qconfig)
+        quantized = compressed_tensors.Reader(qconfig)
     elif method == "bitsandbytes":
-        quantized = _Bitsandbytes4bit(qconfig, checkpoint)
+        quantized = bitsandbytes.Reader(qconfig, checkpoint)
     elif qconfig is not None:
         raise CheckpointError(
             f"{where}: quantization method {method!r} cannot be read here "
@@ -320,7 +187,7 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
         )
     else:
         quantized = None
-    adapter = _Adapter(where / "adapter") if (where / "adapter" / "adapter_config.json").exists() else None
+    adapter = peft_adapter.Reader(where / "adapter") if (where / "adapter" / "adapter_config.json").exists() else None
     streamed = StreamedModel(model, checkpoint, dtype, quantized, adapter)
     layers = streamed.prefix.rstrip(".")
     for name, sub in model.named_modules():
@@ -339,10 +206,10 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
     return streamed
 
 
-def _quantize_inputs(model: torch.nn.Module, quantized: _CompressedTensors) -> None:
+def _quantize_inputs(model: torch.nn.Module, quantized: compressed_tensors.Reader) -> None:
     """W8A8 exports: their linears see int8 inputs, as our evaluation simulated them before export."""
     for name, module in model.named_modules():
         scheme = quantized.scheme_of(name, module)
         if scheme is not None and scheme.input_activations is not None:
             act = scheme.input_activations
-            quantize_inputs(module, ActivationScheme(act.num_bits, per_token=act.strategy == "token"))
+            ActivationScheme(act.num_bits, per_token=act.strategy == "token").attach(module)

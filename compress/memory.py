@@ -88,8 +88,8 @@ def plan(
     f32, hidden = 4, cfg.hidden_size
     n_block = sum(p.numel() for p in model.layers[0].parameters())
     n_outside = sum(p.numel() for n, p in model.model.named_parameters() if not n.startswith(model.prefix))
-    dense = samples > 0 and any(getattr(p, "needs_dense_inputs", False) for p in passes)
-    copies = 1 + (dense or any(getattr(p, "needs_original", False) for p in passes)) + dense
+    dense = samples > 0 and any(p.needs_dense_inputs for p in passes)
+    copies = 1 + (dense or any(p.needs_original for p in passes)) + dense
     plan = MemoryPlan(where="GPU memory" if device.type == "cuda" else "RAM")
     plan.shared["tensors outside the blocks"] = n_outside * (stored + f32)
     if whole:
@@ -100,7 +100,7 @@ def plan(
     # dense model's inputs and outputs)
     sets = 3 + 2 * dense
     (plan.disk if spill else plan.compress)["calibration activations"] = sets * samples * cal_seqlen * hidden * f32
-    if any(getattr(p, "uses_hessian", False) for p in passes):
+    if any(p.uses_hessian for p in passes):
         widest = max(m.in_features for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
         # H and its factors in float64 (hessian.statistics_dtype), the sweep's working copy; a
         # mixture of experts observes one projection of every expert at once: E statistics

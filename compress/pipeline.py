@@ -24,6 +24,7 @@ from tqdm import tqdm
 from . import distributed, moe
 from .arch import arch_of, decoder_layers
 from .data import DataError
+from .hessian import Statistic
 from .lazy import streamed
 from .models import cast_params, compute_dtype
 from .resume import BlockCheckpoints
@@ -326,8 +327,8 @@ class BlockData:
         return tail if torch.equal(head.to(mine.device), mine) else False
 
     def observe(
-        self, groups, make_stat: Callable[[torch.nn.Module], object], replay_after: bool = False
-    ) -> dict[str, object]:
+        self, groups, make_stat: Callable[[torch.nn.Module], Statistic], replay_after: bool = False
+    ) -> dict[str, Statistic]:
         """One forward over the data, feeding each group's input to one statistic.
 
         ``groups`` are tuples of linears that read the same input (q/k/v), given in
@@ -359,10 +360,7 @@ class BlockData:
             hooks[linear] = lambda x: (add(x), kept.append(x))
         self.forward(hooks, stop_at=linear)
         for stat in {id(s): s for s in stats.values()}.values():
-            if hasattr(stat, "reduce"):
-                stat.reduce()
-            elif distributed.size() > 1:
-                raise RuntimeError(f"{type(stat).__name__} has no reduce(): it cannot combine several processes' data")
+            stat.reduce()
         if tail is not False and len(kept) == len(self.inputs):
             self.replay[module] = _Replay(
                 self.block.get_submodule(module), self.block.get_submodule(linear), kept, tail
@@ -414,13 +412,12 @@ def run_sequential(
     inputs, calls = capture_inputs(model.model, ids, device, dtype, store) if ids is not None else (None, None)
     # GPTAQ compares with the dense model's activations: they travel beside the compressed ones,
     # each block's original (copied before its passes, or before a checkpoint replaces it) feeding the next
-    dense = inputs is not None and any(getattr(p, "needs_dense_inputs", False) for p in passes)
+    dense = inputs is not None and any(p.needs_dense_inputs for p in passes)
     dense_inputs = inputs if dense else None
-    keep_original = dense or any(getattr(p, "needs_original", False) for p in passes)
+    keep_original = dense or any(p.needs_original for p in passes)
     resumable = checkpoints.resumable if checkpoints is not None else 0
     for p in passes:  # this run's training logs (a recipe may be applied twice in one process)
-        if isinstance(getattr(p, "log", None), dict):
-            p.log = dict(checkpoints.logs.get(p.where, {})) if resumable else {}
+        p.log = dict(checkpoints.logs.get(p.where, {})) if resumable else {}
     for i in tqdm(range(len(model)), desc="compressing blocks", unit="block", disable=not distributed.is_main()):
         with model.block(i, keep=keep) as block:
             home = _home(block)
@@ -443,7 +440,7 @@ def run_sequential(
                     if data is not None:
                         data.replay = {}  # a pass's stand-ins are only valid until another pass changes the block
                     p.apply(block, data, prefix)
-                    if starved and p.needs_data and hasattr(p, "without_data"):
+                    if starved and p.needs_data:
                         p.without_data(block, prefix)
             moe.mark_starved(block, {})
             if inputs is not None and i + 1 < len(model):
@@ -459,7 +456,7 @@ def run_sequential(
             del data, original
             cast_params(block, home, storage)
             if checkpoints is not None and i >= resumable:
-                checkpoints.save(i, block, {p.where: p.log for p in passes if getattr(p, "log", None)})
+                checkpoints.save(i, block, {p.where: p.log for p in passes if p.log})
             if on_block is not None:
                 on_block(i, block)
 

@@ -7,9 +7,12 @@ exported checkpoint dequantizes to. No pass rounds weights by itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import ClassVar
 
 import torch
+
+from .state import State
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 AUTO_GROUP_SIZES = (128, 64, 32)
@@ -28,7 +31,7 @@ class QuantScheme:
     # Scale values are float16 numbers, as GGUF stores them, and when asymmetric have few enough
     # significant bits that Q4_1's minimum -scale*(zero offset) is one too. With float32 storage
     # every dequantized weight is then the same number in our model, the compressed-tensors export
-    # and the GGUF file (compress/gguf_export.py).
+    # and the GGUF file (compress/gguf_file.py).
     fp16_scales: bool = False
     # "minmax": a group's range is its weights' min and max; "mse": the range shrunk by the factor
     # (1, 0.99, ..., 0.80) whose rounding error, summed as |error|^2.4, is smallest (GPTQ's
@@ -73,13 +76,35 @@ class QuantScheme:
 
 
 @dataclass
-class QuantizedWeight:
-    """The integer form of a linear's weight, kept on the module for export."""
+class QuantizedWeight(State, attr="quantized"):
+    """The integer form of a linear's weight, kept on the module for export (``attach``)."""
 
     scheme: QuantScheme
     q: torch.Tensor  # int8, same shape as the weight
     scale: torch.Tensor  # (out, groups), in the storage dtype (what the export writes)
     zero_point: torch.Tensor  # (out, groups), int8; zeros when symmetric
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight these integers stand for, in the storage dtype (the scale's)."""
+        return dequantize(self.q, self.scale, self.zero_point, self.scale.dtype)
+
+    def saved(self):
+        return {"q": self.q, "scale": self.scale, "zero_point": self.zero_point}, asdict(self.scheme)
+
+    @classmethod
+    def restored(cls, tensors, meta):
+        return cls(QuantScheme(**meta), tensors["q"], tensors["scale"], tensors["zero_point"])
+
+    @classmethod
+    def restore(cls, block, name, tensors, meta) -> None:
+        attach(block.get_submodule(name), cls.restored(tensors, meta))
+
+    def rebuilds(self, module: torch.nn.Module) -> list[str]:
+        return ["weight"] if torch.equal(module.weight, self.dequantized().to(module.weight)) else []
+
+    def stored_bits(self, module):
+        n = self.q.numel()
+        return self.scheme.bits_per_weight(self.q.shape[1], 8 * self.scale.element_size()) * n, n
 
 
 def resolve_group_size(group_size: int | str, in_features: list[int]) -> int:
@@ -178,23 +203,38 @@ def attach(linear: torch.nn.Linear, qw: QuantizedWeight) -> None:
     The value is rounded to the storage dtype (the scale's) even while the block computes
     in float32, so the weight is bit for bit what the export reloads to.
     """
-    linear.weight.data = dequantize(qw.q, qw.scale, qw.zero_point, qw.scale.dtype).to(linear.weight.dtype)
-    linear.quantized = qw
+    linear.weight.data = qw.dequantized().to(linear.weight.dtype)
+    qw.attach(linear)
 
 
 def quantized_of(linear: torch.nn.Module) -> QuantizedWeight | None:
-    return getattr(linear, "quantized", None)
+    return QuantizedWeight.of(linear)
 
 
 @dataclass(frozen=True)
-class ActivationScheme:
-    """Dynamic symmetric integer activations: a scale per token (row), or one per tensor."""
+class ActivationScheme(State, attr="input_quant"):
+    """Dynamic symmetric integer activations: a scale per token (row), or one per tensor. Attached
+    to a linear, it makes the linear see its input as the integer kernel would (a pre-hook)."""
 
     bits: int = 8
     per_token: bool = True
 
+    holds_tensors: ClassVar[bool] = False
+
     def describe(self) -> str:
         return f"A{self.bits} {'per-token' if self.per_token else 'per-tensor'} dynamic"
+
+    def attach(self, module: torch.nn.Module) -> None:
+        if ActivationScheme.of(module) is None:
+            module.register_forward_pre_hook(_quantize_input)
+        super().attach(module)
+
+    def saved(self):
+        return {}, asdict(self)
+
+    @classmethod
+    def restored(cls, tensors, meta):
+        return cls(**meta)
 
 
 def fake_quantize_activation(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
@@ -207,15 +247,8 @@ def fake_quantize_activation(x: torch.Tensor, scheme: ActivationScheme) -> torch
 
 
 def _quantize_input(module: torch.nn.Module, args: tuple):
-    return (fake_quantize_activation(args[0], module.input_quant), *args[1:])
-
-
-def quantize_inputs(linear: torch.nn.Linear, scheme: ActivationScheme) -> None:
-    """From now on ``linear`` sees its input as the integer kernel would (a pre-hook, once)."""
-    if getattr(linear, "input_quant", None) is None:
-        linear.register_forward_pre_hook(_quantize_input)
-    linear.input_quant = scheme
+    return (fake_quantize_activation(args[0], ActivationScheme.of(module)), *args[1:])
 
 
 def input_quant_of(linear: torch.nn.Module) -> ActivationScheme | None:
-    return getattr(linear, "input_quant", None)
+    return ActivationScheme.of(linear)

@@ -18,7 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from . import gguf_export
+from .formats import gguf_file
 from .models import DEFAULT_MODEL
 from .passes import REGISTRY, LayerPass, PrunePass, RecipeError, WeightQuantPass
 
@@ -57,8 +57,8 @@ class Export(_Strict):
     @model_validator(mode="after")
     def _type(self):
         if self.format == "gguf" and self.type is None:
-            raise ValueError(f"format gguf needs a type: one of {', '.join(gguf_export.TYPES)}")
-        if self.format == "gguf" and (problem := gguf_export.type_problem(self.type)):
+            raise ValueError(f"format gguf needs a type: one of {', '.join(gguf_file.TYPES)}")
+        if self.format == "gguf" and (problem := gguf_file.type_problem(self.type)):
             raise ValueError(problem)
         if self.format != "gguf" and (self.type is not None or self.embedding != "dense"):
             raise ValueError("type and embedding are options of format: gguf")
@@ -153,7 +153,7 @@ def _check_gguf(passes: list[LayerPass], gguf_type: str) -> None:
             )
         spec = p.options if isinstance(p, WeightQuantPass) else getattr(p.options, "quantize", None)
         if spec is not None:
-            if problem := gguf_export.scheme_problem(gguf_type, spec.bits, spec.group_size, spec.symmetric):
+            if problem := gguf_file.scheme_problem(gguf_type, spec.bits, spec.group_size, spec.symmetric):
                 raise RecipeError(f"{p.where}: {problem}")
         p.fp16_scales = True
 

@@ -10,7 +10,7 @@ model keeps its ordinary forward and the compressed structure cannot drift:
 - ``weights``: the weights of linears that are not quantized; pruned entries stay exactly zero.
 - ``lora``: a rank-r product ``B·A`` added to each quantized linear (our integers, or bitsandbytes'
   4-bit codes) on a frozen base (``B`` starts at zero); it exports as a PEFT adapter
-  (``linear.lora``), like LoRC.
+  (``state.LoRA``), like LoRC.
 
 Trainable tensors are float32 whatever the compute dtype (Adam on bf16 parameters loses
 small updates); the forward sees them in the compute dtype. ``Trainables.finish`` writes
@@ -30,9 +30,10 @@ from torch import nn
 from torch.nn.utils import parametrize
 from tqdm import tqdm
 
-from .bnb import rounded_4bit_of
+from .formats.bitsandbytes import Rounded4bit
 from .quant import QuantizedWeight, attach, quantized_of
 from .sparsity import prune_mask_of
+from .state import LoRA
 
 Trainable = Literal["scales", "norms", "weights", "lora"]
 
@@ -116,7 +117,7 @@ class Trainables:
                 self._register(lin, _Float(dtype, keep), dtype)
                 lin.parametrizations.weight.original.requires_grad_(True)
                 self.groups["weights"].append(lin.parametrizations.weight.original)
-            if (qw is not None or rounded_4bit_of(lin) is not None) and "lora" in train:
+            if (qw is not None or Rounded4bit.of(lin) is not None) and "lora" in train:
                 lora = _LoRA(lin.out_features, lin.in_features, rank, generator, device)
                 self._register(lin, lora, dtype)
                 self.groups["lora"] += [lora.A, lora.B]
@@ -153,15 +154,16 @@ class Trainables:
                 elif isinstance(step, _Float):
                     value = step(value).to(self.storage)
                 elif isinstance(step, _LoRA):
-                    lora = (step.B.detach().to(self.storage), step.A.detach().to(self.storage))
+                    lora = LoRA(step.B.detach().to(self.storage), step.A.detach().to(self.storage))
             parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
             module.weight = nn.Parameter(value.to(dtype), requires_grad=False)
             if quantized_of(module) is not None:
                 attach(module, quantized_of(module))  # the weight is what the export dequantizes to
             if lora is not None:
-                B, A = lora
-                module.weight.data = (module.weight.float() + B.float() @ A.float()).to(self.storage).to(dtype)
-                module.lora = lora
+                module.weight.data = (
+                    (module.weight.float() + lora.B.float() @ lora.A.float()).to(self.storage).to(dtype)
+                )
+                lora.attach(module)
 
 
 def train(

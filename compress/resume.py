@@ -2,11 +2,11 @@
 ``compress apply ... --resume`` after a killed run (out of memory, a preempted machine, a lost
 session) reads those blocks back instead of compressing them again.
 
-A block's state is what the passes left on it: its tensors, and on its modules the integer form
-of quantized weights (``quant.attach``), pruning masks, low-rank factors, LoRA corrections, int8
-activation schemes and KV-cache schemes. It is written as one safetensors file per block (no
-pickle), with the structure in the file's metadata. A quantized weight equal to its dequantized
-integers is not written again: it is rebuilt from them, bit for bit. The global random state is
+A block's state is what the passes left on it: its tensors, and on its modules every declared
+state (``compress/state.py``: integers, masks, factored pairs, LoRA, input and KV schemes), each
+saved and restored by its own class. It is written as one safetensors file per block (no pickle),
+with the structure in the file's metadata. A weight a state rebuilds (a quantized weight equal to
+its dequantized integers) is not written again: it is rebuilt, bit for bit. The global random state is
 kept with each block, so the blocks after a resumed one see the generator the uninterrupted run
 saw. The blocks read back are run over the calibration data again to give the next block its
 inputs: the same weights and the same inputs make the same activations, so a resumed run's
@@ -19,29 +19,17 @@ import json
 import os
 import shutil
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .factored import Factored
-from .kv_quant import KVScheme
-from .quant import (
-    ActivationScheme,
-    QuantizedWeight,
-    QuantScheme,
-    attach,
-    dequantize,
-    input_quant_of,
-    quantize_inputs,
-    quantized_of,
-)
-from .sparsity import prune_mask_of
+from . import factored, kv_quant, quant, sparsity  # noqa: F401 - their kinds of state register on import
+from .state import KINDS, states_of
 
 STATE = "state.json"
-META = "compress-block-state"
+META = "compress-block-state-2"  # the layout of ``block_state``; a block kept by another layout is not read
 
 
 class ResumeError(RuntimeError):
@@ -120,6 +108,8 @@ class BlockCheckpoints:
 
     def restore(self, i: int, block: torch.nn.Module) -> None:
         with safe_open(str(self._block_path(i)), "pt") as f:
+            if META not in (f.metadata() or {}):
+                raise ResumeError(f"{self.folder} was kept by another version of compress; drop --resume to start over")
             meta = json.loads(f.metadata()[META])
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         restore_block_state(block, tensors, meta)
@@ -130,29 +120,16 @@ class BlockCheckpoints:
 
 
 def block_state(block: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, structure) of a compressed block: see the module's docstring."""
+    """(tensors, structure) of a compressed block: every declared state of its modules
+    (``state.KINDS``), its tensors but those a state rebuilds, and the random state."""
     tensors: dict[str, torch.Tensor] = {"rng": torch.get_rng_state()}
-    meta = {"factored": {}, "quantized": {}, "input_quant": {}, "kv_scheme": {}, "rebuilt": []}
+    meta: dict = {"states": {}, "rebuilt": []}
     for name, m in block.named_modules():
-        if isinstance(m, Factored):
-            meta["factored"][name] = [m[0].in_features, m[1].out_features, m.rank, m[1].bias is not None]
-        if (qw := quantized_of(m)) is not None:
-            meta["quantized"][name] = asdict(qw.scheme)
-            tensors |= {
-                f"quantized/{name}/q": qw.q,
-                f"quantized/{name}/scale": qw.scale,
-                f"quantized/{name}/zero_point": qw.zero_point,
-            }
-            if torch.equal(m.weight, dequantize(qw.q, qw.scale, qw.zero_point, qw.scale.dtype).to(m.weight)):
-                meta["rebuilt"].append(f"{name}.weight")
-        if (act := input_quant_of(m)) is not None:
-            meta["input_quant"][name] = asdict(act)
-        if (kv := getattr(m, "kv_scheme", None)) is not None:
-            meta["kv_scheme"][name] = asdict(kv)
-        if (mask := prune_mask_of(m)) is not None:
-            tensors[f"mask/{name}"] = mask
-        if (lora := getattr(m, "lora", None)) is not None:
-            tensors[f"lora/{name}/B"], tensors[f"lora/{name}/A"] = lora
+        for state in states_of(m):
+            saved, info = state.saved()
+            meta["states"].setdefault(state.attr, {})[name] = info
+            tensors |= {f"{state.attr}/{name}/{k}": t for k, t in saved.items()}
+            meta["rebuilt"] += [f"{name}.{leaf}" for leaf in state.rebuilds(m)]
     for key, t in block.state_dict().items():
         if key not in meta["rebuilt"]:
             tensors[f"state/{key}"] = t
@@ -160,21 +137,16 @@ def block_state(block: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 def restore_block_state(block: torch.nn.Module, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    """Make ``block`` (as read from the model) the compressed block ``block_state`` described."""
-    dtype = next(block.parameters()).dtype
-    for name, (n, m, rank, bias) in meta["factored"].items():
-        parent, _, leaf = name.rpartition(".")
-        setattr(block.get_submodule(parent) if parent else block, leaf, Factored.empty(n, m, rank, bias, dtype))
-    for name, scheme in meta["quantized"].items():
-        attach(
-            block.get_submodule(name),
-            QuantizedWeight(
-                QuantScheme(**scheme),
-                tensors[f"quantized/{name}/q"],
-                tensors[f"quantized/{name}/scale"],
-                tensors[f"quantized/{name}/zero_point"],
-            ),
-        )
+    """Make ``block`` (as read from the model) the compressed block ``block_state`` described:
+    structural states first (they replace modules), then the others, then the tensors."""
+    unknown = set(meta["states"]) - set(KINDS)
+    if unknown:
+        raise ResumeError(f"a kept block has states this version does not know ({sorted(unknown)}); start over")
+    for attr in sorted(meta["states"], key=lambda attr: not KINDS[attr].structural):
+        for name, info in meta["states"][attr].items():
+            prefix = f"{attr}/{name}/"
+            saved = {k.removeprefix(prefix): t for k, t in tensors.items() if k.startswith(prefix)}
+            KINDS[attr].restore(block, name, saved, info)
     state = {k.removeprefix("state/"): t for k, t in tensors.items() if k.startswith("state/")}
     result = block.load_state_dict(state, strict=False)
     if result.unexpected_keys or sorted(result.missing_keys) != sorted(meta["rebuilt"]):
@@ -182,15 +154,4 @@ def restore_block_state(block: torch.nn.Module, tensors: dict[str, torch.Tensor]
             f"a kept block does not fit this model (unexpected {result.unexpected_keys[:3]}, "
             f"missing {sorted(set(result.missing_keys) - set(meta['rebuilt']))[:3]})"
         )
-    for name, scheme in meta["input_quant"].items():
-        quantize_inputs(block.get_submodule(name), ActivationScheme(**scheme))
-    for name, scheme in meta["kv_scheme"].items():
-        block.get_submodule(name).kv_scheme = KVScheme(**scheme)
-    for key, t in tensors.items():
-        kind, _, name = key.partition("/")
-        if kind == "mask":
-            block.get_submodule(name).prune_mask = t
-        elif kind == "lora" and name.endswith("/B"):
-            name = name.removesuffix("/B")
-            block.get_submodule(name).lora = (t, tensors[f"lora/{name}/A"])
     torch.set_rng_state(tensors["rng"])

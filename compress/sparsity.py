@@ -3,7 +3,7 @@
 A pattern is ``unstructured`` (a target ratio) or ``N:M`` (at most N non-zeros in every M
 consecutive inputs of a row: ``2:4`` is what sparse tensor cores run). A mask is a bool
 tensor shaped like the weight, True where the weight is pruned. Pruned weights are exactly
-zero and stay so: the mask is kept on the module (``linear.prune_mask``) so that a later
+zero and stay so: the mask is kept on the module (``PruneMask``) so that a later
 GPTQ pass rounds them to zero too, and quantized integers of a pruned weight equal the
 zero-point, so the exported checkpoint dequantizes them to exact zeros.
 """
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .quant import QuantizedWeight, attach, quantized_of
+from .state import State
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,20 @@ def select_mask(score: torch.Tensor, pattern: Pattern, per_row: bool) -> torch.T
     return torch.zeros(score.numel(), dtype=torch.bool, device=score.device).scatter_(0, lowest, True).view_as(score)
 
 
+class PruneMask(State, attr="prune_mask"):
+    """Which weights of a linear are pruned (True): they stay zero through later passes and training."""
+
+    def __init__(self, mask: torch.Tensor):
+        self.mask = mask
+
+    def saved(self):
+        return {"mask": self.mask}, {}
+
+    @classmethod
+    def restored(cls, tensors, meta):
+        return cls(tensors["mask"])
+
+
 def apply_mask(linear: torch.nn.Linear, mask: torch.Tensor) -> None:
     """Zero the pruned weights (and their integers, if already quantized) and remember the mask."""
     linear.weight.data = linear.weight.data.masked_fill(mask, 0)
@@ -77,7 +92,7 @@ def apply_mask(linear: torch.nn.Linear, mask: torch.Tensor) -> None:
         zero = qw.zero_point.repeat_interleave(qw.q.shape[1] // qw.zero_point.shape[1], dim=1)
         attach(linear, QuantizedWeight(qw.scheme, torch.where(mask, zero, qw.q), qw.scale, qw.zero_point))
     previous = prune_mask_of(linear)
-    linear.prune_mask = mask if previous is None else previous | mask
+    PruneMask(mask if previous is None else previous | mask).attach(linear)
 
 
 def prune_by_magnitude(linear: torch.nn.Linear, pattern: Pattern) -> None:
@@ -86,4 +101,5 @@ def prune_by_magnitude(linear: torch.nn.Linear, pattern: Pattern) -> None:
 
 
 def prune_mask_of(linear: torch.nn.Module) -> torch.Tensor | None:
-    return getattr(linear, "prune_mask", None)
+    state = PruneMask.of(linear)
+    return None if state is None else state.mask

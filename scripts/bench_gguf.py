@@ -1,6 +1,6 @@
 """Our GGUF exports against llama.cpp's own quantizer, all measured through llama.cpp.
 
-Rows: the dense model as an F16 GGUF (written by ``compress.gguf_export``); llama.cpp's own
+Rows: the dense model as an F16 GGUF (written by ``compress.formats.gguf_file``); llama.cpp's own
 Q4_0 and Q4_1 of that file (``llama_model_quantize``, round to nearest, with the token
 embedding as Q8_0 like our exports' ``embedding: q8_0``); then every GGUF in the export folders
 given. Columns: perplexity on our windows protocol computed from llama.cpp's logits (the same
@@ -28,8 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from compress import gguf_export, machine, models
+from compress import machine, models
 from compress.evaluate import windows_of
+from compress.formats import gguf_file
 
 
 def llama_cpp_or_exit():
@@ -116,7 +117,7 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     dense = work / "dense-f16.gguf"
     if not dense.exists():
-        gguf_export.write(dense_folder, None, dense)
+        gguf_file.write(dense_folder, None, dense)
     rows = [("dense (ours, F16)", dense)]
     rows += [(f"llama.cpp's own {t.upper()}", work / f"llama-cpp-{t}.gguf") for t in ("q4_0", "q4_1")]
     for folder in args.exports:

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from compress import bnb
+from compress.formats.bitsandbytes import Rounded4bit
+from compress.formats.safetensors import CheckpointError
 from tests.conftest import tiny_folder
 
 bitsandbytes = pytest.importorskip("bitsandbytes")
@@ -62,7 +64,13 @@ def test_eval_command_prints_bits_and_scores_and_refuses_a_quantized_model(folde
     assert len(refused.stderr.strip().splitlines()) == 1
 
 
-def test_qlora_on_nf4_exports_load_in_4bit_codes_that_transformers_and_peft_load(folder, tmp_path):
+@pytest.fixture(scope="module")
+def confident_folder(tmp_path_factory, smollm2):
+    """A tiny model whose next-token distributions are far from uniform, so that KLs rank runs."""
+    return tiny_folder(tmp_path_factory.mktemp("confident"), smollm2.tokenizer, weight_scale=3.0)
+
+
+def test_qlora_on_nf4_exports_load_in_4bit_codes_that_transformers_and_peft_load(confident_folder, tmp_path):
     """``qlora: {base: nf4}``: the export's codes and block scales are byte for byte what
     ``load_in_4bit`` makes of the original; transformers loads them as ``Linear4bit`` and peft puts
     the adapter on, computing what our reader computes (up to bitsandbytes' CPU kernel); the
@@ -81,7 +89,8 @@ def test_qlora_on_nf4_exports_load_in_4bit_codes_that_transformers_and_peft_load
             "calibration: {samples: 8, seqlen: 64}\nevaluation: {seqlen: 64, windows: 2}\n"
         )
         out = tmp_path / f"out{steps}"
-        run = [sys.executable, "-m", "compress.cli", "apply", str(recipe), "--model", str(folder), "--output", str(out)]
+        model = str(confident_folder)
+        run = [sys.executable, "-m", "compress.cli", "apply", str(recipe), "--model", model, "--output", str(out)]
         result = subprocess.run(run, capture_output=True, text=True)
         assert result.returncode == 0, result.stderr[-2000:]
         runs[steps] = json.loads((out / "report.json").read_text())
@@ -89,7 +98,7 @@ def test_qlora_on_nf4_exports_load_in_4bit_codes_that_transformers_and_peft_load
     assert runs[20]["bits_per_weight"] == pytest.approx(4.5)
 
     name = "model.layers.1.mlp.down_proj"
-    original = bnb.load(str(folder), "nf4", torch.device("cpu")).model.model.get_submodule(name).weight
+    original = bnb.load(str(confident_folder), "nf4", torch.device("cpu")).model.model.get_submodule(name).weight
     with safe_open(out / "model.safetensors", "pt") as f:
         assert torch.equal(f.get_tensor(f"{name}.weight"), original.data)
         assert torch.equal(f.get_tensor(f"{name}.weight.absmax"), original.quant_state.absmax)
@@ -105,8 +114,9 @@ def test_qlora_on_nf4_exports_load_in_4bit_codes_that_transformers_and_peft_load
 
 
 def test_qlora_on_nf4_merged_is_rounded_again_and_reads_back_as_trained(tmp_path):
-    from compress import gguf_export, models
+    from compress import models
     from compress.export import export
+    from compress.formats import gguf_file
     from tests.conftest import _NoTokenizer, compress_with, tiny
 
     model = tiny("llama")
@@ -114,12 +124,13 @@ def test_qlora_on_nf4_merged_is_rounded_again_and_reads_back_as_trained(tmp_path
     compress_with(model, "  - qlora: {base: nf4, rank: 4, steps: 10, lr: 0.01, batch: 4, merge: true}\n", ids)
     down = model.model.layers[0].mlp.down_proj
     assert getattr(down, "lora", None) is None
-    codes, state = bnb.rounded_4bit_of(down)
+    rounded = Rounded4bit.of(down)
+    codes, state = rounded.codes, rounded.quant_state
     assert torch.equal(bitsandbytes.functional.dequantize_4bit(codes, state).float(), down.weight)
     out = export(model, _NoTokenizer(), tmp_path / "x", "", {})
     assert not (out / "adapter").exists()
-    with pytest.raises(gguf_export.GGUFError, match="bitsandbytes NF4/FP4 weights, which GGUF has no type for"):
-        gguf_export.write(out, None, tmp_path / "x.gguf")
+    with pytest.raises(gguf_file.GGUFError, match="bitsandbytes NF4/FP4 weights, which GGUF has no type for"):
+        gguf_file.write(out, None, tmp_path / "x.gguf")
     with torch.no_grad():
         torch.testing.assert_close(models.load_model(out, torch.float32)(ids).logits, model(ids).logits)
 
@@ -159,5 +170,5 @@ def test_nf4_without_bitsandbytes_is_a_one_line_error(monkeypatch, folder, tmp_p
     config = json.loads((nf4 / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (nf4 / "config.json").write_text(json.dumps(config))
-    with pytest.raises(lazy.CheckpointError, match="holds bitsandbytes 4-bit weights: pip install bitsandbytes"):
+    with pytest.raises(CheckpointError, match="holds bitsandbytes 4-bit weights: pip install bitsandbytes"):
         lazy.open_model(nf4, torch.bfloat16)

@@ -9,7 +9,7 @@ from conftest import tiny_folder
 from compress import models
 from compress.apply import apply
 from compress.cli import main
-from compress.gguf_export import GROUP, pack_blocks
+from compress.formats.gguf_file import GROUP, pack_blocks
 from compress.quant import QuantScheme, dequantize, quantize_weight
 from compress.recipe import parse
 

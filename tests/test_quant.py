@@ -72,14 +72,14 @@ def test_export_layout_decompresses_to_our_weights(bits, group, symmetric):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
 
-    from compress.export import _ct_args, _packed_tensors
+    from compress.formats.compressed_tensors import tensors, weight_args
 
     torch.manual_seed(0)
     w = torch.randn(48, 128, dtype=torch.bfloat16)
     scheme = QuantScheme(bits, group, symmetric)
     qw = quantize_weight(w, scheme, torch.bfloat16)
     ours = dequantize(qw.q, qw.scale, qw.zero_point, torch.bfloat16)
-    packed = {k.split(".", 1)[1]: v for k, v in _packed_tensors("m", qw).items()}
-    ct_scheme = QuantizationScheme(targets=["Linear"], weights=_ct_args(scheme))
+    packed = {k.split(".", 1)[1]: v for k, v in tensors("m", qw, "pack-quantized").items()}
+    ct_scheme = QuantizationScheme(targets=["Linear"], weights=weight_args(scheme))
     theirs = PackedQuantizationCompressor.decompress(packed, ct_scheme)["weight"]
     assert torch.equal(theirs.to(torch.bfloat16), ours)

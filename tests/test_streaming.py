@@ -8,10 +8,10 @@ import torch
 from conftest import compress_with, tiny
 from safetensors.torch import save_file
 
-from compress import data, lazy, models
+from compress import data, models
 from compress.apply import apply
 from compress.evaluate import windows_of
-from compress.export import ShardWriter
+from compress.formats.safetensors import Checkpoint, ShardWriter
 from compress.recipe import parse
 
 
@@ -47,7 +47,7 @@ def test_shard_writer_splits_at_the_limit_and_indexes_every_tensor(tmp_path):
     assert names == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
     assert index == {"t0": names[0], "t1": names[0], "t2": names[1], "t3": names[1], "t4": names[2]}
-    checkpoint = lazy.Checkpoint(tmp_path)
+    checkpoint = Checkpoint(tmp_path)
     assert all(torch.equal(checkpoint.read([k])[k], v) for k, v in tensors.items())
     assert not list(tmp_path.glob(".shard-*"))  # no scratch file left
 

@@ -34,7 +34,7 @@ from torch import nn
 
 from .. import machine
 from ..models import cache_dir
-from ..quant import QuantizedWeight, QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
+from ..quant import QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
 from . import native
 from .loop import sync, write_json
 
@@ -161,38 +161,18 @@ def use_onednn(model: nn.Module) -> int:
 def attach_from_export(model: nn.Module, folder: str | Path) -> int:
     """Record on each linear of ``model`` (loaded from ``folder``) the integers its export stores
     in the compressed-tensors ``pack-quantized`` layout; returns how many linears got one."""
-    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
-    from safetensors import safe_open
+    from ..formats.compressed_tensors import Reader
+    from ..formats.safetensors import Checkpoint
 
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
     if config.get("format") != "pack-quantized":
         return 0
-    bits = {g["weights"]["num_bits"] for g in config.get("config_groups", {}).values()}
-    symmetric = {g["weights"]["symmetric"] for g in config.get("config_groups", {}).values()}
-    if len(bits) != 1 or len(symmetric) != 1:
-        return 0  # mixed schemes: not worth the bookkeeping here
-    (bits,), (symmetric,) = bits, symmetric
-    count = 0
-    for path in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if not key.endswith(".weight_packed"):
-                    continue
-                name = key.removesuffix(".weight_packed")
-                shape = torch.Size(f.get_tensor(f"{name}.weight_shape").tolist())
-                q = unpack_from_int32(f.get_tensor(key), bits, shape)
-                scale = f.get_tensor(f"{name}.weight_scale")
-                zero = (
-                    unpack_from_int32(f.get_tensor(f"{name}.weight_zero_point"), bits, scale.shape, packed_dim=0)
-                    if not symmetric
-                    else torch.zeros(scale.shape, dtype=torch.int8)
-                )
-                group = shape[1] // scale.shape[1]
-                scheme = QuantScheme(bits, -1 if scale.shape[1] == 1 else group, symmetric)
-                model.get_submodule(name).quantized = QuantizedWeight(scheme, q.to(torch.int8), scale, zero)
-                count += 1
-    return count
+    layout, checkpoint = Reader(config), Checkpoint(folder)
+    names = layout.quantized_linears(checkpoint)
+    for name in names:
+        layout.integers(checkpoint, name).attach(model.get_submodule(name))
+    return len(names)
 
 
 # --- Weight formats for the decode engine -------------------------------------------------

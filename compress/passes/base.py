@@ -5,7 +5,9 @@ and two methods: ``check(model)`` validates against the model's shapes before
 any compute, ``apply(block, data, prefix)`` transforms one decoder block. The
 pipeline owns the data flow; ``data`` is None for passes with ``needs_data = False``.
 A pass that needs others before or after it says so in ``order_problem``, which the
-recipe parser calls for every pass: a new method is one file and one recipe.
+recipe parser calls for every pass: a new method is one file and one recipe. What a pass asks of
+the pipeline (a Hessian's memory, the block before the passes, the dense model's inputs) is a
+declared attribute of ``LayerPass``, set by the passes that need it.
 """
 
 from __future__ import annotations
@@ -39,10 +41,14 @@ class LayerPass:
     needs_data: ClassVar[bool] = True
     compresses: ClassVar[bool] = True  # changes the weights (recovery and the KV cache do not)
     data_parallel: ClassVar[bool] = True  # runs with several processes (torchrun); training passes do not
+    uses_hessian: ClassVar[bool] = False  # collects XᵀX per linear: the memory plan counts it
+    needs_original: bool = False  # the pipeline keeps each block as it was before the passes
+    needs_dense_inputs: bool = False  # the pipeline carries the dense model's inputs to each block too
 
     def __init__(self, options: PassOptions, where: str):
         self.options = options
         self.where = where  # YAML path of this pass, e.g. "passes[0].rtn"
+        self.log: dict = {}  # what training passes record (losses), kept in the report and for --resume
 
     @property
     def weight_bits(self) -> int | None:

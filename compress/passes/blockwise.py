@@ -27,13 +27,9 @@ class BlockwiseOptions(RecoveryOptions):
 class Blockwise(LinearPass):
     name = "blockwise"
     Options = BlockwiseOptions
-    needs_original = True  # the pipeline keeps a copy of each block from before the passes
+    needs_original = True
     compresses = False
     data_parallel = False
-
-    def __init__(self, options, where):
-        super().__init__(options, where)
-        self.log: dict[str, dict] = {}  # block -> loss of the first and last tenth of its steps
 
     def order_problem(self, before, after):
         return recovery_problem(self, before)

@@ -64,10 +64,6 @@ class Distill(ModelPass):
     name = "distill"
     Options = DistillOptions
 
-    def __init__(self, options, where):
-        super().__init__(options, where)
-        self.log: dict = {}
-
     def check(self, model) -> None:
         self.arch = arch_of(model)
         self.dtype = model.dtype

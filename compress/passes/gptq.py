@@ -40,7 +40,7 @@ class GPTQOptions(WeightQuantOptions):
 class GPTQ(WeightQuantPass):
     name = "gptq"
     Options = GPTQOptions
-    uses_hessian = True  # the memory plan counts its input statistics
+    uses_hessian = True
 
     def check(self, model) -> None:
         super().check(model)
@@ -56,7 +56,7 @@ class GPTQ(WeightQuantPass):
             )
 
     @property
-    def needs_dense_inputs(self) -> bool:  # the pipeline carries the dense model's activations too
+    def needs_dense_inputs(self) -> bool:
         return self.options.gptaq
 
     @staticmethod

@@ -64,7 +64,7 @@ class KVCachePass(LayerPass):
 
     def apply(self, block, data, prefix: str) -> None:
         for attention in attention_modules(block):
-            attention.kv_scheme = self.scheme
+            self.scheme.attach(attention)
 
     def summary(self) -> str:
         return self.scheme.describe()

@@ -18,6 +18,7 @@ from .. import distributed
 from ..factored import factors, whitened_svd
 from ..hessian import Hessian, dampened_cholesky
 from ..quant import quantized_of
+from ..state import LoRA
 from .base import LinearOptions, LinearPass
 
 
@@ -30,8 +31,8 @@ class LoRCOptions(LinearOptions):
 class LoRC(LinearPass):
     name = "lorc"
     Options = LoRCOptions
-    uses_hessian = True  # the memory plan counts its input statistics
-    needs_original = True  # the pipeline keeps a copy of each block from before the passes
+    uses_hessian = True
+    needs_original = True
 
     def __init__(self, options, where):
         super().__init__(options, where)
@@ -57,7 +58,7 @@ class LoRC(LinearPass):
             B, A = factors(*whitened_svd(error, S), min(o.rank, *error.shape), S)
             B, A = B.to(self.dtype), A.to(self.dtype)  # as the adapter is exported
             lin.weight.data = (lin.weight.float() + B.float() @ A.float()).to(self.dtype).to(lin.weight.dtype)
-            lin.lora = (B, A)
+            LoRA(B, A).attach(lin)
             distributed.same_as_main([lin.weight, B, A])  # every rank computed it; rank 0's is kept
 
     def summary(self) -> str:

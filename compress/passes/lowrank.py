@@ -48,7 +48,7 @@ class _MeanAbs:
 class LowRank(LinearPass):
     name = "lowrank"
     Options = LowRankOptions
-    uses_hessian = True  # the memory plan counts its input statistics
+    uses_hessian = True
 
     def __init__(self, options, where):
         super().__init__(options, where)

@@ -21,10 +21,11 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from .. import bnb
+from ..formats.bitsandbytes import Rounded4bit, round_4bit
 from ..quant import attach, quantize_weight, quantized_of
 from ..recovery import Trainables
 from ..sparsity import apply_mask, prune_mask_of
+from ..state import LoRA
 from .distill import Distill, DistillOptions
 
 
@@ -84,7 +85,7 @@ class QLoRA(Distill):
     def apply_model(self, model, teacher, ids, device) -> None:
         if self.options.base == "nf4":
             for lin in self.linears(model).values():
-                bnb.round_4bit(lin, self.dtype)
+                round_4bit(lin, self.dtype)
         super().apply_model(model, teacher, ids, device)
 
     @torch.no_grad()
@@ -92,16 +93,16 @@ class QLoRA(Distill):
         if not self.options.merge:
             return
         for lin in self.linears(model).values():
-            if getattr(lin, "lora", None) is None:
+            if LoRA.of(lin) is None:
                 continue
-            if bnb.rounded_4bit_of(lin) is not None:
-                bnb.round_4bit(lin, self.dtype)
+            if Rounded4bit.of(lin) is not None:
+                round_4bit(lin, self.dtype)
             else:
                 qw, mask = quantized_of(lin), prune_mask_of(lin)
                 attach(lin, quantize_weight(lin.weight.data, qw.scheme, self.dtype))
                 if mask is not None:
                     apply_mask(lin, mask)
-            del lin.lora
+            LoRA.drop(lin)
 
     def summary(self) -> str:
         o = self.options

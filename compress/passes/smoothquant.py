@@ -17,7 +17,7 @@ from pydantic import Field
 
 from .. import distributed
 from ..arch import fold, foldable_scalings
-from ..quant import ActivationScheme, quantize_inputs
+from ..quant import ActivationScheme
 from .base import LinearOptions, LinearPass, RecipeError, WeightQuantPass
 
 
@@ -83,7 +83,7 @@ class SmoothQuant(LinearPass):
                     self.arch.norm_plus_one,
                 )
         for lin in targets.values():
-            quantize_inputs(lin, self.activation)
+            self.activation.attach(lin)
 
     def summary(self) -> str:
         smoothing = f"smoothquant α={self.options.alpha}" if self.options.smooth else "no smoothing"

@@ -27,7 +27,7 @@ class SparseGPTOptions(PruneOptions):
 class SparseGPT(PrunePass):
     name = "sparsegpt"
     Options = SparseGPTOptions
-    uses_hessian = True  # the memory plan counts its input statistics
+    uses_hessian = True
     scheme = None
 
     @property

@@ -1,0 +1,163 @@
+"""compressed-tensors, the layout transformers and vLLM load: integer weights and input schemes.
+
+Written: a quantized linear becomes ``weight_packed`` (int32, packed by compressed-tensors),
+``weight_scale``, ``weight_shape`` and, when asymmetric, a packed ``weight_zero_point``
+(``pack-quantized``), or its int8 weight as it is when the export has int8 inputs
+(``int-quantized``, W8A8); config.json gets the ``quantization_config`` that names the schemes.
+
+Read: ``Reader`` is the one reader of those tensors. ``weight`` dequantizes a linear with
+compressed-tensors' own code (what transformers computes with); ``integers`` gives the stored
+integers back as a ``QuantizedWeight`` (for the decoder's integer kernels and for GGUF).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..quant import ActivationScheme, QuantizedWeight, QuantScheme
+
+PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+
+
+def weight_args(scheme: QuantScheme):
+    """compressed-tensors' description of our integer weights."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(
+        num_bits=scheme.bits,
+        type="int",
+        symmetric=scheme.symmetric,
+        strategy="channel" if scheme.group_size == -1 else "group",
+        group_size=None if scheme.group_size == -1 else scheme.group_size,
+    )
+
+
+def _activation_args(scheme: ActivationScheme):
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(
+        num_bits=scheme.bits,
+        type="int",
+        symmetric=True,
+        dynamic=True,
+        strategy="token" if scheme.per_token else "tensor",
+    )
+
+
+def tensors(name: str, qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]:
+    """The tensors that store linear ``name``'s integers in format ``fmt``: ``int-quantized`` (W8A8)
+    keeps the int8 weight as it is, the layout int8 kernels read; ``pack-quantized`` packs them."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    if fmt == "int-quantized":
+        out = {f"{name}.weight": qw.q, f"{name}.weight_scale": qw.scale}
+        if not qw.scheme.symmetric:
+            out[f"{name}.weight_zero_point"] = qw.zero_point
+        return out
+    out = {
+        f"{name}.weight_packed": pack_to_int32(qw.q, qw.scheme.bits),
+        f"{name}.weight_scale": qw.scale,
+        f"{name}.weight_shape": torch.tensor(qw.q.shape),
+    }
+    if not qw.scheme.symmetric:
+        out[f"{name}.weight_zero_point"] = pack_to_int32(qw.zero_point, qw.scheme.bits, packed_dim=0)
+    return out
+
+
+def config(linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None], fmt: str) -> dict | None:
+    """compressed-tensors config: one group per distinct scheme, every other linear ignored.
+    ``linears`` maps each linear's name to its (weight, input) schemes, None when dense."""
+    import compressed_tensors
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    by_scheme: dict[tuple[QuantScheme, ActivationScheme | None], list[str]] = {}
+    for name, schemes in linears.items():
+        if schemes is not None:
+            by_scheme.setdefault(schemes, []).append(name)
+    if not by_scheme:
+        return None
+    single = len(by_scheme) == 1
+    groups = {
+        f"group_{i}": QuantizationScheme(
+            targets=["Linear"] if single else names,
+            weights=weight_args(scheme),
+            input_activations=_activation_args(act) if act else None,
+        )
+        for i, ((scheme, act), names) in enumerate(by_scheme.items())
+    }
+    dense = [name for name, schemes in linears.items() if schemes is None]
+    config = QuantizationConfig(
+        config_groups=groups, format=fmt, quantization_status="compressed", ignore=dense if single else []
+    )
+    data = config.model_dump(exclude=["quant_method"])
+    data.update(
+        quant_method="compressed-tensors",
+        version=compressed_tensors.__version__,
+        sparsity_config={},
+        transform_config={},
+    )
+    return data
+
+
+class Reader:
+    """How an export of this layout stores each quantized linear (from its ``quantization_config``)."""
+
+    def __init__(self, qconfig: dict):
+        from compressed_tensors.compressors import BaseCompressor
+        from compressed_tensors.quantization import QuantizationConfig
+
+        config = QuantizationConfig.model_validate(qconfig)
+        self.format = config.format
+        self.compressor = BaseCompressor.get_value_from_registry(config.format)
+        self.ignore = set(config.ignore or [])
+        self.groups = list(config.config_groups.values())
+
+    def scheme_of(self, name: str, module: torch.nn.Module):
+        """The compressed-tensors scheme of linear ``name``, None when it is stored dense."""
+        return self.scheme_for(name) if isinstance(module, torch.nn.Linear) else None
+
+    def scheme_for(self, name: str):
+        if name in self.ignore:
+            return None
+        for scheme in self.groups:
+            for target in scheme.targets:
+                regex = target.startswith("re:") and re.fullmatch(target[3:], name)
+                if target == "Linear" or target == name or regex:
+                    return scheme
+        return None
+
+    def keys(self, stored: str, checkpoint) -> list[str]:
+        return [f"{stored}.{k}" for k in PARTS if f"{stored}.{k}" in checkpoint]
+
+    def weight(self, tensors: dict[str, torch.Tensor], scheme) -> torch.Tensor:
+        """The dequantized weight from a linear's tensors (keys without its name), as transformers
+        computes it."""
+        return self.compressor.decompress(tensors, scheme)["weight"]
+
+    def quantized_linears(self, checkpoint) -> list[str]:
+        """The names of the linears stored as integers, as the checkpoint names them."""
+        return sorted({k.rsplit(".", 1)[0] for k in checkpoint.file_of if k.endswith(".weight_scale")})
+
+    def integers(self, checkpoint, name: str) -> QuantizedWeight:
+        """The integers, scales and zero-points linear ``name`` stores, as our passes left them."""
+        from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+        scheme = self.scheme_for(name)
+        if scheme is None:
+            raise ValueError(f"{name}: the export's quantization_config names no scheme for it")
+        w = scheme.weights
+        ours = QuantScheme(w.num_bits, -1 if w.group_size is None else w.group_size, w.symmetric)
+        t = {k[len(name) + 1 :]: v for k, v in checkpoint.read(self.keys(name, checkpoint)).items()}
+        scale = t["weight_scale"]
+        if "weight_packed" in t:
+            q = unpack_from_int32(t["weight_packed"], w.num_bits, torch.Size(t["weight_shape"].tolist()))
+            if not w.symmetric:
+                t["weight_zero_point"] = unpack_from_int32(
+                    t["weight_zero_point"], w.num_bits, scale.shape, packed_dim=0
+                )
+        else:
+            q = t["weight"]  # int-quantized (W8A8): int8 as it is
+        zero = t.get("weight_zero_point", torch.zeros(scale.shape, dtype=torch.int8))
+        return QuantizedWeight(ours, q.to(torch.int8), scale, zero.to(torch.int8))
