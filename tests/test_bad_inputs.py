@@ -415,11 +415,12 @@ def test_mutated_recipes_give_a_clean_error_or_a_checked_plan():
 
 def test_exports_are_readable_by_others_and_name_no_code(tmp_path, smollm2):
     from compress.export import export
+    from compress.state import LoRA
 
     model = tiny("llama", hidden=64, layers=1)
     model.config.auto_map = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     down = model.model.layers[0].mlp.down_proj
-    down.lora = (torch.zeros(down.out_features, 2), torch.zeros(2, down.in_features))  # an adapter too
+    LoRA(torch.zeros(down.out_features, 2), torch.zeros(2, down.in_features)).attach(down)  # an adapter too
     mask = os.umask(0o022)
     try:
         out = export(model, smollm2.tokenizer, tmp_path / "out", "passes: []\n", {})
