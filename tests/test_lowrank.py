@@ -116,7 +116,7 @@ def test_lorc_lowers_the_weight_error_and_its_adapter_loads_with_peft(tmp_path):
     for name, lin in model.named_modules():
         if getattr(lin, "lora", None) is not None:
             W = original.get_submodule(name).weight
-            B, A = lin.lora
+            B, A = lin.lora.B, lin.lora.A
             assert (W - lin.weight).norm() < (W - (lin.weight - B @ A)).norm(), name
     out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
     base = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True))

@@ -2,18 +2,20 @@ import pytest
 import torch
 
 from compress.arch import arch_of, decoder_layers
+from compress.passes import LayerPass
 from compress.pipeline import run_sequential
 from compress.quant import quantized_of
 from tests.conftest import compress_with, export_and_reload, tiny
 
 
-class _Record:
+class _Record(LayerPass):
     """A pass that records each block's input as the pipeline delivers it."""
 
     name = "record"
     needs_data = True
 
     def __init__(self):
+        super().__init__(None, "passes[0].record")
         self.seen = []
 
     def apply(self, block, data, prefix):
