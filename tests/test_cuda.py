@@ -82,7 +82,8 @@ def test_cuda_graph_steps_equal_eager_steps_and_speculation_equals_greedy(model_
     assert graphed.graphs
     plain = greedy(graphed, prompt, 40)
     assert plain.tokens == greedy(eager, prompt, 40).tokens
-    assert graphed.max_len >= 80 and list(graphed.captured) == [graphed.step_rows] == [8]  # one padded graph
+    # one padded graph
+    assert graphed.cache.max_len >= 80 and list(graphed.graphs.captured) == [graphed.step_rows] == [8]
     fast = speculate(graphed, prompt, 40, PromptLookup(), k=5)
     assert fast.tokens == plain.tokens and fast.forwards < plain.forwards
 

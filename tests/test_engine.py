@@ -9,8 +9,17 @@ import time
 import pytest
 import torch
 
-from compress.decode import DecodeError, DraftModel, PromptLookup, greedy, kernels, layer_subset, native, speculate
-from compress.decode import engine as engine_code
+from compress.decode import (
+    DecodeError,
+    DraftModel,
+    PromptLookup,
+    greedy,
+    kernels,
+    layer_subset,
+    native,
+    speculate,
+    steps,
+)
 from compress.decode.engine import Engine
 from tests.conftest import compress_with, tiny
 
@@ -36,7 +45,7 @@ def test_engine_greedy_equals_transformers_greedy_on_tiny_models(model_type):
     prompt = _prompt()  # 24 tokens: past Gemma-3's 8-token sliding window
     engine = Engine(model, kernel="fp32", max_len=16)  # grows: 24 + 40 tokens do not fit in 16
     assert greedy(engine, prompt, 40).tokens == _hf_greedy(model, prompt, 40)
-    assert engine.max_len >= 64
+    assert engine.cache.max_len >= 64
 
 
 def test_verify_step_equals_one_token_steps_and_crop_forgets():
@@ -65,8 +74,8 @@ def test_fixed_shape_step_equals_the_dynamic_step(model_type):
     engine.forward(_prompt())  # 24 tokens: past Gemma-3's 8-token sliding window
     for ids in ([7], [5, 17, 99, 3]):
         positions = torch.arange(engine.length, engine.length + len(ids))
-        static = engine._static_body(torch.tensor(ids), positions)
-        dynamic = engine.logits(engine._body(torch.tensor(ids), positions, engine.length + len(ids)))
+        static = steps.static_logits(engine, torch.tensor(ids), positions)
+        dynamic = engine.logits(engine.body(torch.tensor(ids), positions, engine.length + len(ids)))
         torch.testing.assert_close(static, dynamic, atol=1e-5, rtol=1e-5)
         engine.forward(ids)
 
@@ -211,7 +220,7 @@ def test_kivi_cache_on_the_engine_gives_the_tokens_of_kivi_decoding(sinks, optio
     engine = Engine(model, kernel="fp32")
     assert greedy(engine, prompt, 40).tokens == kivi
     # 21 + 40 tokens: after the sinks, flushed in whole windows of 8
-    assert engine.quantized_upto == sinks + 8 * ((60 - sinks) // 8)
+    assert engine.cache.quantized_upto == sinks + 8 * ((60 - sinks) // 8)
     with pytest.raises(DecodeError, match="KIVI"):
         engine.crop(10)
 
@@ -273,9 +282,9 @@ def test_old_packages_go_least_recently_used_first(tmp_path, monkeypatch):
         os.utime(package, (time.time() - 3600 * (3 - age),) * 2)
     kept = tmp_path / f"{'d' * 32}.pt2"
     kept.write_bytes(bytes(400))
-    engine_code._evict(kept, 750)  # 1000 bytes: "a", the oldest, goes
+    steps._evict(kept, 750)  # 1000 bytes: "a", the oldest, goes
     assert sorted(p.name[0] for p in tmp_path.iterdir()) == ["b", "c", "d"]
-    engine_code._evict(kept, 0)  # the newest stays even over the limit
+    steps._evict(kept, 0)  # the newest stays even over the limit
     assert [p.name[0] for p in tmp_path.iterdir()] == ["d"]
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))  # nothing lands in the user's cache
     monkeypatch.setenv("COMPRESS_ENGINE_CACHE_GB", "lots")

@@ -256,7 +256,7 @@ def test_a_bf16_kv_cache_under_the_fp32_stream_is_asked_for():
     exact = Engine(model, kernel="int4-a16")
     half = Engine(model, kernel="int4-a16", cache_dtype=torch.bfloat16)
     assert exact.cache_dtype == torch.float32 and half.formats == exact.formats
-    assert half.dtype == torch.float32 and half.k_cache[0].dtype == torch.bfloat16 and half.native_attention
+    assert half.dtype == torch.float32 and half.cache.k[0].dtype == torch.bfloat16 and half.native_attention
     half.forward(prompt[0, :20])
     one_by_one = torch.cat([half.forward(prompt[0, i : i + 1]) for i in range(20, 24)])
     half.crop(4)

@@ -28,6 +28,7 @@ import torch
 from transformers import DynamicCache
 
 from . import kernels
+from .engine import Engine
 from .loop import DecodeError, DecodeResult, Sampling, device_of, emit, forward_logits, sync, with_cache
 
 
@@ -73,9 +74,46 @@ def _layout(rows: int, window: int, candidates: list[int]) -> tuple[torch.Tensor
     return torch.tensor(offsets), mask
 
 
+class _EngineTree:
+    """What lookahead needs of a runner (``forward``, ``forward_tree``, ``keep``, ``length``,
+    ``device``) on the decode engine."""
+
+    def __init__(self, engine):
+        self.engine, self.device, self.forward = engine, engine.device, engine.forward
+        engine.reset()
+
+    @property
+    def length(self) -> int:
+        return self.engine.length
+
+    @torch.no_grad()
+    def forward_tree(self, ids: list[int], offsets: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of tokens that are not one sequence (the window and the candidates):
+        token ``i`` sits at position ``length + offsets[i]`` and sees the cache and the new tokens
+        ``visible[i]`` marks. Their keys and values take the next ``len(ids)`` slots (``keep`` then
+        keeps the accepted ones). Each token attends over exactly the slots it sees, gathered in
+        order, and the matmuls run as in verify steps (up to ``kernels.VERIFY_ROWS`` tokens), so a
+        token that sees its prefix gets the logits a one-token step gives it. Eager, also on a
+        compiled engine."""
+        engine = self.engine
+        ids = torch.as_tensor(ids, device=self.device).reshape(-1)
+        count = ids.numel()
+        start = engine.cache.make_room(count)
+        prefix = torch.arange(start, device=self.device)
+        seen = [torch.cat([prefix, start + row.nonzero()[:, 0].to(self.device)]) for row in visible]
+        positions = start + torch.as_tensor(offsets, device=self.device)
+        logits = engine.logits(engine.body(ids, positions, start + count, tree=seen))
+        engine.cache.length = start + count
+        return logits
+
+    def keep(self, length: int, extra: list[int]) -> None:
+        """Keep the first ``length`` cached tokens and those at slots ``extra`` (``KVCache.keep``)."""
+        self.engine.cache.keep(length, extra)
+
+
 class _TransformersTree:
-    """What lookahead needs of a runner (``forward``, ``forward_tree``, ``keep``, ``length``, the
-    sliding window) for a transformers model and its dynamic cache; ``engine.Engine`` has them."""
+    """What lookahead needs of a runner (as ``_EngineTree``) for a transformers model and its
+    dynamic cache, and its sliding window."""
 
     def __init__(self, model):
         self.model, self.device = model, device_of(model)
@@ -115,10 +153,9 @@ class _TransformersTree:
 def _tree_runner(model):
     """The engine itself (reset), or a transformers model wrapped; with the sliding window it must
     stay inside and the most tokens a step may hold and still score its candidates exactly."""
-    if hasattr(model, "forward_tree"):
-        model.reset()
+    if isinstance(model, Engine):
         windows = [layer.window for layer in model.layers if layer.window]
-        return model, min(windows, default=1 << 62), kernels.VERIFY_ROWS
+        return _EngineTree(model), min(windows, default=1 << 62), kernels.VERIFY_ROWS
     runner = _TransformersTree(model)
     return runner, runner.window, 1 << 62
 
