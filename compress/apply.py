@@ -48,6 +48,30 @@ class Report:
         return asdict(self)
 
 
+@dataclass
+class _Run:
+    """One ``apply``'s settings, resolved and checked before the model is read."""
+
+    recipe: Recipe
+    source: str
+    out: Path
+    protected: tuple[Path, ...]  # the model's and the recipe's folders: never replaced by --overwrite
+    dtype: str  # the storage dtype's name
+    seed: int
+    overwrite: bool
+    max_shard_bytes: int
+    gguf: object | None  # the recipe's GGUF export, or None
+    device: torch.device
+    main: bool = field(default_factory=distributed.is_main)  # rank 0 writes the export
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return models.parse_dtype(self.dtype)
+
+    def open_model(self):
+        return models.open_streamed(self.source, self.torch_dtype)
+
+
 def apply(
     recipe: Recipe,
     model_source: str | None = None,
@@ -78,6 +102,106 @@ def apply(
     Under torchrun every rank calls this: each calibrates and evaluates on its share of the
     samples and windows (``compress/distributed.py``), rank 0 alone writes the export and returns
     the report; the other ranks return None."""
+    run = _settings(recipe, model_source, output, device, dtype, seed, overwrite, max_shard_mb)
+    store = activation_store(spill, run.device)
+    loaded = run.open_model()
+    model, tokenizer = loaded.model, loaded.tokenizer
+    _check_model(run, model.model)
+    calibration_dtype = calibration_dtype or recipe.calibration.dtype
+    compute = _calibration_dtype(calibration_dtype, run.device)
+    ev, cal = recipe.evaluation, recipe.calibration
+    seqlen, windows = eval_seqlen or ev.seqlen, eval_windows or ev.windows
+    eval_data = windows_of(tokenizer, ev.ppl, seqlen, windows) if evaluate_after and ev.ppl else None
+    whole = recipe.needs_data and cal.source == data.SELF or any(isinstance(p, ModelPass) for p in recipe.passes)
+    n_samples = (samples or cal.samples) if recipe.needs_data else 0
+    keep_blocks = keep_blocks and recipe.needs_data and distributed.size() == 1  # the long sweeps, one process
+    if distributed.size() > 1:  # (several: each rank would need every rank's blocks to resume)
+        _check_processes(recipe, n_samples, len(eval_data) if eval_data is not None else None, resume_run)
+    _check_memory(run, model, n_samples, (windows if eval_data is not None else 0, seqlen), whole, spill, keep_blocks)
+    checkpoints = _checkpoints(run, n_samples, calibration_dtype, keep_blocks, resume_run)
+    if whole:
+        model.load_all()  # data-free calibration generates with the whole model; recovery trains it
+
+    start = time.perf_counter()
+    ids, calib_what = _calibration(run, model.model, tokenizer, n_samples)
+    writer = export.Export(run.out, run.overwrite, run.max_shard_bytes, run.protected) if run.main else None
+    try:  # everything, the report included, goes to the writer's temporary folder; renamed at the end
+        if eval_data is not None and not distributed.everyone(Path(_shared(writer)).is_dir()):
+            raise distributed.DistributedError(
+                f"{run.out.parent} is not on a file system every process sees, so they cannot read the export "
+                "back to evaluate it; add --no-eval and run `compress eval` on the export afterwards"
+            )
+        _sweep(run, model, ids, writer, store, checkpoints if keep_blocks else None, compute)
+        if not run.main:  # the other ranks' part: their share of the evaluation windows
+            if eval_data is not None:
+                _evaluate(run, _shared(None), tokenizer, eval_data)
+            return None
+        writer.add(model.model, skip=model.prefix.rstrip("."))
+        report = _finish(run, writer, model.model, tokenizer, calib_what, time.perf_counter() - start, eval_data)
+        del model, loaded
+        if eval_data is not None:
+            report.eval = _evaluate(run, _shared(writer.tmp), tokenizer, eval_data).as_dict()
+            report.peak_rss_gb = peak_rss_gb()
+        (writer.tmp / export.REPORT).write_text(json.dumps(report.as_dict(), indent=2))
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        _say_kept(checkpoints)
+        raise
+    writer.publish()
+    if checkpoints is not None:
+        checkpoints.remove()
+    return report
+
+
+def _check_model(run: _Run, model) -> None:
+    """Every pass against the model's shapes (group sizes, patterns), and GGUF against its family:
+    before any compute."""
+    for p in run.recipe.passes:
+        p.check(model)
+    if run.gguf is not None and (problem := gguf_file.family_problem(model.config.model_type)):
+        raise gguf_file.GGUFError(problem)
+
+
+def _calibration(run: _Run, model, tokenizer, samples: int):
+    """(calibration ids, what they are) for a recipe that needs data; (None, "none ...") otherwise."""
+    cal = run.recipe.calibration
+    if not run.recipe.needs_data:
+        return None, "none (no pass needs data)"
+    return data.calibration_batches(model, tokenizer, cal.source, samples, cal.seqlen, run.seed)
+
+
+def _sweep(run: _Run, model, ids, writer, store, checkpoints, compute) -> None:
+    """The block sweep, each block written to the export (rank 0) as soon as it is final."""
+    cal, prefix = run.recipe.calibration, model.prefix
+    run_passes(
+        model,
+        ids,
+        run.recipe.passes,
+        run.device,
+        lambda: run.open_model().model.load_all(),
+        on_block=(lambda i, block: writer.add(block, f"{prefix}{i}.")) if run.main else None,
+        store=store,
+        checkpoints=checkpoints,
+        min_expert_tokens=cal.min_expert_tokens,
+        route_all_experts=cal.route_all_experts,
+        compute=compute,
+    )
+
+
+def _say_kept(checkpoints) -> None:
+    """After a failure: where the finished blocks are, and how to continue from them."""
+    if checkpoints is not None and (checkpoints.folder / resume.STATE).is_file():
+        print(
+            f"[compress] the blocks finished so far are kept in {checkpoints.folder}: the same command "
+            "with --resume continues from them (without it, they are removed)",
+            file=sys.stderr,
+        )
+
+
+def _settings(recipe, model_source, output, device, dtype, seed, overwrite, max_shard_mb) -> _Run:
+    """The run's settings, each bad one refused in one line before the model is read; torch's
+    generator seeded with the run's seed."""
     source = model_source or recipe.model
     gguf = recipe.export if recipe.export.format == "gguf" else None
     if gguf is not None and dtype is not None and models.parse_dtype(dtype) != torch.float32:
@@ -85,174 +209,114 @@ def apply(
             f"--dtype {dtype}: a recipe that exports GGUF computes in float32 (llama.cpp dequantizes "
             "its blocks to float32); drop --dtype"
         )
-    dtype = dtype or ("float32" if gguf is not None else "bfloat16")
     if max_shard_mb is not None and max_shard_mb < 1:
         raise export.ExportError(f"--max-shard-mb must be at least 1; got {max_shard_mb}")
-    seed = recipe.seed if seed is None else seed
     out = Path(output or Path("out") / f"{recipe.name}-{Path(source).name}")
     inputs = [Path(p) for p in (source, recipe.source) if p is not None and Path(p).exists()]
-    protected = tuple(p if p.is_dir() else p.parent for p in inputs)  # never replaced by --overwrite
-    main = distributed.is_main()
-    if main:
+    protected = tuple(p if p.is_dir() else p.parent for p in inputs)
+    if distributed.is_main():
         export.check_output(out, overwrite, protected)
-    dev, torch_dtype = models.pick_device(device), models.parse_dtype(dtype)
-    store = activation_store(spill, dev)
+    device = models.pick_device(device)
+    dtype = dtype or ("float32" if gguf is not None else "bfloat16")
+    models.parse_dtype(dtype)  # an unknown --dtype fails here, before the model is read
+    seed = recipe.seed if seed is None else seed
+    shard_bytes = (max_shard_mb or export.MAX_SHARD_BYTES // 2**20) * 2**20
     torch.manual_seed(seed)
+    return _Run(recipe, source, out, protected, dtype, seed, overwrite, shard_bytes, gguf, device)
 
-    loaded = models.open_streamed(source, torch_dtype)
-    model, tokenizer = loaded.model, loaded.tokenizer
-    for p in recipe.passes:
-        p.check(model.model)  # shapes, group sizes, patterns: before any compute
-    calibration_dtype = calibration_dtype or recipe.calibration.dtype
-    compute = _calibration_dtype(calibration_dtype, dev)
-    if gguf is not None and (problem := gguf_file.family_problem(model.model.config.model_type)):
-        raise gguf_file.GGUFError(problem)
-    ev = recipe.evaluation
-    seqlen, windows = eval_seqlen or ev.seqlen, eval_windows or ev.windows
-    eval_data = windows_of(tokenizer, ev.ppl, seqlen, windows) if evaluate_after and ev.ppl else None
-    cal = recipe.calibration
-    whole = recipe.needs_data and cal.source == data.SELF or any(isinstance(p, ModelPass) for p in recipe.passes)
-    n_samples = (samples or cal.samples) if recipe.needs_data else 0
-    keep_blocks = keep_blocks and recipe.needs_data  # the long sweeps
-    if distributed.size() > 1:
-        _check_processes(recipe, n_samples, len(eval_data) if eval_data is not None else None, resume_run)
-        keep_blocks = False  # each rank would need every rank's blocks to resume
+
+def _check_memory(run: _Run, model, samples: int, evaluated: tuple[int, int], whole, spill, keep_blocks) -> None:
+    """The memory plan, printed, and refused before compute where the machine cannot hold it.
+    ``evaluated``: (evaluation windows, their length)."""
+    windows, seqlen = evaluated
     need = memory.plan(
         model,
-        recipe.passes,
-        dev,
-        len(distributed.share(n_samples)),
-        cal.seqlen,
-        len(distributed.share(windows)) if eval_data is not None else 0,
+        run.recipe.passes,
+        run.device,
+        len(distributed.share(samples)),
+        run.recipe.calibration.seqlen,
+        len(distributed.share(windows)) if windows else 0,
         seqlen,
         whole,
         spill is not None,
         keep_blocks,
     )
-    need.processes = distributed.local_size() if dev.type == "cpu" else 1
-    if main:
+    need.processes = distributed.local_size() if run.device.type == "cpu" else 1
+    if run.main:
         print(f"[compress] memory plan: {need.describe()}", flush=True)
-    memory.check(need, dev)
+    memory.check(need, run.device)
     if spill is not None:
         memory.check_disk(need, spill)
+
+
+def _checkpoints(run: _Run, samples: int, calibration_dtype: str, keep_blocks: bool, resume_run: bool):
+    """The finished blocks kept for ``--resume`` (None: this run keeps none)."""
+    recipe = run.recipe
     if resume_run and not keep_blocks:
         why = "calibrates nothing" if not recipe.needs_data else "runs with --no-checkpoints"
         raise resume.ResumeError(
             f"--resume: {recipe.name} {why}, so it keeps no blocks to resume from; run it without --resume"
         )
-    checkpoints = None
-    if recipe.needs_data and main:  # what makes the blocks what they are, for --resume (a plain run removes old ones)
-        key = {
-            "recipe": recipe.text,
-            "model": str(source),
-            "seed": seed,
-            "samples": n_samples,
-            "dtype": dtype,
-            "device": dev.type,
-            "calibration_dtype": calibration_dtype,
-        }
-        checkpoints = resume.BlockCheckpoints(out, key, resume_run)
-    if whole:
-        model.load_all()  # data-free calibration generates with the whole model; recovery trains it
+    if not (recipe.needs_data and run.main):
+        return None
+    key = {  # what makes the blocks what they are (a plain run removes old ones)
+        "recipe": recipe.text,
+        "model": str(run.source),
+        "seed": run.seed,
+        "samples": samples,
+        "dtype": run.dtype,
+        "device": run.device.type,
+        "calibration_dtype": calibration_dtype,
+    }
+    return resume.BlockCheckpoints(run.out, key, resume_run)
 
-    start = time.perf_counter()
-    ids, calib_what = None, "none (no pass needs data)"
-    if recipe.needs_data:
-        ids, calib_what = data.calibration_batches(
-            model.model, tokenizer, cal.source, samples or cal.samples, cal.seqlen, seed
-        )
-    writer = (
-        export.Export(out, overwrite, (max_shard_mb or export.MAX_SHARD_BYTES // 2**20) * 2**20, protected)
-        if main
-        else None
+
+def _finish(run: _Run, writer, model, tokenizer, calib_what: str, compress_s: float, eval_data) -> Report:
+    """The export completed in its temporary folder (manifest, config, tokenizer, GGUF) and its report."""
+    recipe, totals = run.recipe, writer.totals
+    bpw, sparsity, kept = totals.bits_per_weight(), totals.sparsity(), totals.params_kept()
+    kv = kv_quant.bytes_per_token(model)
+    method = " + ".join(p.summary() for p in recipe.passes)
+    manifest = {
+        "recipe": recipe.name,
+        "base_model": run.source,
+        "method": method,
+        "seed": run.seed,
+        "calibration": calib_what,
+        "bits_per_weight": bpw,
+        "sparsity": sparsity,
+        "params_kept": kept,
+        "kv_bytes_per_token": kv,
+        "dtype": run.dtype,
+        "evaluated": eval_data is not None,
+    }
+    written = writer.finish(model, tokenizer, recipe.text, manifest, run.gguf)
+    return Report(
+        recipe.name,
+        run.source,
+        method,
+        str(run.out),
+        calib_what,
+        bpw,
+        sparsity,
+        kept,
+        kv,
+        export.size_on_disk(written) / 1e6,
+        compress_s,
+        peak_rss_gb(),
+        training={p.where: p.log for p in recipe.passes if p.log},
     )
-    try:  # everything, the report included, goes to the writer's temporary folder; renamed at the end
-        if eval_data is not None and not distributed.everyone(Path(_shared(writer)).is_dir()):
-            raise distributed.DistributedError(
-                f"{out.parent} is not on a file system every process sees, so they cannot read the export "
-                "back to evaluate it; add --no-eval and run `compress eval` on the export afterwards"
-            )
-        prefix = model.prefix
-        run_passes(
-            model,
-            ids,
-            recipe.passes,
-            dev,
-            lambda: models.open_streamed(source, torch_dtype).model.load_all(),
-            on_block=(lambda i, block: writer.add(block, f"{prefix}{i}.")) if main else None,
-            store=store,
-            checkpoints=checkpoints if keep_blocks else None,
-            min_expert_tokens=recipe.calibration.min_expert_tokens,
-            route_all_experts=recipe.calibration.route_all_experts,
-            compute=compute,
-        )
-        if not main:  # the other ranks' part: their share of the evaluation windows
-            if eval_data is not None:
-                reference = models.open_streamed(source, torch_dtype).model if ev.kl else None
-                compressed = models.open_streamed(_shared(None), torch_dtype).model
-                evaluate(
-                    compressed, tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data, device=dev
-                )
-            return None
-        writer.add(model.model, skip=prefix.rstrip("."))
-        compress_s = time.perf_counter() - start
-        totals = writer.totals
-        bpw, sparsity, kept = totals.bits_per_weight(), totals.sparsity(), totals.params_kept()
-        kv = kv_quant.bytes_per_token(model.model)
-        method = " + ".join(p.summary() for p in recipe.passes)
-        manifest = {
-            "recipe": recipe.name,
-            "base_model": source,
-            "method": method,
-            "seed": seed,
-            "calibration": calib_what,
-            "bits_per_weight": bpw,
-            "sparsity": sparsity,
-            "params_kept": kept,
-            "kv_bytes_per_token": kv,
-            "dtype": dtype,
-            "evaluated": eval_data is not None,
-        }
-        written = writer.finish(model.model, tokenizer, recipe.text, manifest, gguf)
-        report = Report(
-            recipe.name,
-            source,
-            method,
-            str(out),
-            calib_what,
-            bpw,
-            sparsity,
-            kept,
-            kv,
-            export.size_on_disk(written) / 1e6,
-            compress_s,
-            peak_rss_gb(),
-            training={p.where: p.log for p in recipe.passes if p.log},
-        )
-        del model, loaded
-        if eval_data is not None:
-            reference = models.open_streamed(source, torch_dtype).model if ev.kl else None
-            compressed = models.open_streamed(_shared(written), torch_dtype).model  # what was written, read back
-            result = evaluate(
-                compressed, tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data, device=dev
-            )
-            report.eval = result.as_dict()
-            report.peak_rss_gb = peak_rss_gb()
-        (written / export.REPORT).write_text(json.dumps(report.as_dict(), indent=2))
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        if checkpoints is not None and (checkpoints.folder / resume.STATE).is_file():
-            print(
-                f"[compress] the blocks finished so far are kept in {checkpoints.folder}: the same command "
-                "with --resume continues from them (without it, they are removed)",
-                file=sys.stderr,
-            )
-        raise
-    writer.publish()
-    if checkpoints is not None:
-        checkpoints.remove()
-    return report
+
+
+def _evaluate(run: _Run, written: str, tokenizer, eval_data):
+    """The export as written, read back and scored against the original (this rank's windows)."""
+    ev = run.recipe.evaluation
+    reference = run.open_model().model if ev.kl else None
+    compressed = models.open_streamed(written, run.torch_dtype).model
+    seqlen, windows = eval_data.shape[1], len(eval_data)
+    return evaluate(
+        compressed, tokenizer, ev.ppl, seqlen, windows, reference=reference, data=eval_data, device=run.device
+    )
 
 
 def _calibration_dtype(name: str, device: torch.device) -> torch.dtype | None:

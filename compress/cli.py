@@ -148,47 +148,14 @@ def _eval(args) -> None:
 def _decode(args) -> None:
     from . import decode, kv_quant, models
     from .data import tokenizer_fingerprint
-    from .decode import kernels, native
+    from .decode import kernels
     from .decode.datastore import Datastore
     from .decode.engine import Engine
 
-    if args.datastore and args.method not in (None, "prompt-lookup"):
-        raise decode.DecodeError(f"--datastore is for --method prompt-lookup, not {args.method}")
-    if args.draft and args.method not in (None, "draft", "prompt-lookup"):
-        raise decode.DecodeError(f"--draft is for --method draft or prompt-lookup, not {args.method}")
-    device = models.pick_device(args.device)
-    if args.kernel == "int4" and not kernels.int4_kernel_available(device):
-        raise decode.DecodeError(
-            f"--kernel int4: this torch build has no int4 kernel for {device.type} "
-            "(on a GPU it needs compute capability 8.0 or newer); use --kernel auto"
-        )
-    if args.kernel in native.FORMATS and (device.type != "cpu" or not native.available()):
-        raise decode.DecodeError(
-            f"--kernel {args.kernel}: our AVX2 kernels are not available here (they need an "
-            "x86 CPU with AVX2 and FMA, a C++ compiler, and COMPRESS_NATIVE unset); "
-            "use --kernel auto"
-        )
-    args.method = args.method or "prompt-lookup"
-    if device.type == "cuda" and args.method == "lookahead":  # docs/results.md, the CUDA section
-        print(
-            "[decode: on CUDA, lookahead's tree steps run without CUDA graphs and round unlike them: slower than "
-            "--method greedy there, and its output can differ from greedy's at near-ties]",
-            file=sys.stderr,
-        )
+    device = _decode_device(args)
     loaded = models.load(args.model, models.parse_dtype(args.dtype))
     model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
-    if args.raw or tokenizer.chat_template is None:
-        prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
-    else:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )["input_ids"]
-    if prompt.numel() == 0:
-        raise decode.DecodeError("the prompt is empty: give --prompt some text")
-    prompt = prompt.to(device)
+    prompt = _prompt_ids(args, tokenizer).to(device)
     if Path(args.model).is_dir():
         kernels.attach_from_export(model, args.model)  # the export's integers, for the int4/int8 kernels
     eos = model.generation_config.eos_token_id
@@ -229,26 +196,7 @@ def _decode(args) -> None:
 
         result = lookahead(target, prompt, args.max_new_tokens, args.window, args.ngram, args.guesses, eos, sampling)
     else:
-        draft = None
-        if args.draft == "self-w4":
-            draft = decode.DraftModel(engine(model, quantize="w4", kivi=False), args.threshold, sampling)
-        elif args.draft:
-            other = models.load(args.draft, models.parse_dtype(args.dtype))
-            if tokenizer_fingerprint(other.tokenizer) != tokenizer_fingerprint(tokenizer):
-                raise decode.DecodeError(
-                    f"--draft {args.draft} has another tokenizer than {args.model}; a draft must "
-                    "share the target's vocabulary"
-                )
-            if other.model.config.vocab_size != model.config.vocab_size:
-                raise decode.DecodeError(
-                    f"--draft {args.draft} has a vocabulary of {other.model.config.vocab_size} "
-                    f"tokens, {args.model} of {model.config.vocab_size}; a draft must share "
-                    "the target's vocabulary"
-                )
-            draft_model = models.for_compute(other.model, device)
-            if Path(args.draft).is_dir():
-                kernels.attach_from_export(draft_model, args.draft)
-            draft = decode.DraftModel(engine(draft_model, kivi=False), args.threshold, sampling)
+        draft = _draft(args, model, tokenizer, device, engine, sampling)
         if args.method == "draft":
             if draft is None:
                 raise decode.DecodeError("--method draft needs --draft MODEL (same tokenizer) or --draft self-w4")
@@ -267,6 +215,87 @@ def _decode(args) -> None:
             store.add(result.tokens)
             store.save(args.datastore)
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
+    _print_speed(args, result, target, device)
+
+
+def _decode_device(args):
+    """The device, once the options that do not fit together or this machine are refused."""
+    from . import decode, models
+    from .decode import kernels, native
+
+    if args.datastore and args.method not in (None, "prompt-lookup"):
+        raise decode.DecodeError(f"--datastore is for --method prompt-lookup, not {args.method}")
+    if args.draft and args.method not in (None, "draft", "prompt-lookup"):
+        raise decode.DecodeError(f"--draft is for --method draft or prompt-lookup, not {args.method}")
+    device = models.pick_device(args.device)
+    if args.kernel == "int4" and not kernels.int4_kernel_available(device):
+        raise decode.DecodeError(
+            f"--kernel int4: this torch build has no int4 kernel for {device.type} "
+            "(on a GPU it needs compute capability 8.0 or newer); use --kernel auto"
+        )
+    if args.kernel in native.FORMATS and (device.type != "cpu" or not native.available()):
+        raise decode.DecodeError(
+            f"--kernel {args.kernel}: our AVX2 kernels are not available here (they need an "
+            "x86 CPU with AVX2 and FMA, a C++ compiler, and COMPRESS_NATIVE unset); "
+            "use --kernel auto"
+        )
+    args.method = args.method or "prompt-lookup"
+    if device.type == "cuda" and args.method == "lookahead":  # docs/results.md, the CUDA section
+        print(
+            "[decode: on CUDA, lookahead's tree steps run without CUDA graphs and round unlike them: slower than "
+            "--method greedy there, and its output can differ from greedy's at near-ties]",
+            file=sys.stderr,
+        )
+    return device
+
+
+def _prompt_ids(args, tokenizer):
+    """``--prompt`` as token ids: in the model's chat template unless ``--raw`` (or it has none)."""
+    from . import decode
+
+    if args.raw or tokenizer.chat_template is None:
+        prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
+    else:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}],
+            add_generation_prompt=True,
+            return_tensors="pt",
+            return_dict=True,
+        )["input_ids"]
+    if prompt.numel() == 0:
+        raise decode.DecodeError("the prompt is empty: give --prompt some text")
+    return prompt
+
+
+def _draft(args, model, tokenizer, device, engine, sampling):
+    """``--draft``: the target rounded to 4 bits in memory (``self-w4``), another model sharing its
+    vocabulary, or None."""
+    from . import decode, models
+    from .data import tokenizer_fingerprint
+    from .decode import kernels
+
+    if args.draft == "self-w4":
+        return decode.DraftModel(engine(model, quantize="w4", kivi=False), args.threshold, sampling)
+    if not args.draft:
+        return None
+    other = models.load(args.draft, models.parse_dtype(args.dtype))
+    if tokenizer_fingerprint(other.tokenizer) != tokenizer_fingerprint(tokenizer):
+        raise decode.DecodeError(
+            f"--draft {args.draft} has another tokenizer than {args.model}; a draft must share the target's vocabulary"
+        )
+    if other.model.config.vocab_size != model.config.vocab_size:
+        raise decode.DecodeError(
+            f"--draft {args.draft} has a vocabulary of {other.model.config.vocab_size} "
+            f"tokens, {args.model} of {model.config.vocab_size}; a draft must share "
+            "the target's vocabulary"
+        )
+    draft_model = models.for_compute(other.model, device)
+    if Path(args.draft).is_dir():
+        kernels.attach_from_export(draft_model, args.draft)
+    return decode.DraftModel(engine(draft_model, kivi=False), args.threshold, sampling)
+
+
+def _print_speed(args, result, target, device) -> None:
     compiling = target.compile_seconds  # paid once, inside the first step
     how = "compiling" if compiling and target.compiled.built else "loading the compiled step"
     where = "engine" + (f", compiled ({how} took {compiling:.0f} s, not counted)" if compiling else "")

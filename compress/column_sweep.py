@@ -67,6 +67,14 @@ def obs_sweep(
 
 
 @torch.no_grad()
+def _asymmetry_update(asymmetry, dead, perm, U, alpha: float) -> torch.Tensor:
+    """GPTAQ's pull of each column towards the dense model's output, in the sweep's column order:
+    ``alpha · triu(A Uᵀ, 1) U``, strictly upper triangular, so a column never moves itself."""
+    A = asymmetry.masked_fill(dead, 0)[perm][:, perm]
+    Ud = U.to(A.dtype)
+    return (alpha * (A @ Ud.T).triu_(1) @ Ud).float()
+
+
 def _sweep(
     weight: torch.Tensor,
     H: torch.Tensor,
@@ -101,11 +109,7 @@ def _sweep(
     W, H, mask = W[:, perm], H[perm][:, perm], mask[:, perm]
     U = inverse_cholesky(H, percdamp, name)
     group = (perm // gs).tolist() if scheme is not None else None
-    P = None
-    if asymmetry is not None:  # strictly upper triangular: a column never moves itself
-        A = asymmetry.masked_fill(dead, 0)[perm][:, perm]
-        Ud = U.to(A.dtype)
-        P = (alpha * (A @ Ud.T).triu_(1) @ Ud).float()
+    P = None if asymmetry is None else _asymmetry_update(asymmetry, dead, perm, U, alpha)
 
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)

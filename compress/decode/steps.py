@@ -144,6 +144,39 @@ def _evict(kept: Path, limit: float) -> None:
         total -= size
 
 
+def _examples(engine):
+    """Example inputs of the compiled step and which of their sizes are dynamic: the span, the cache
+    length and (where rows are computed alone) the rows."""
+    rows, length = engine.step_rows, 3 * SPAN_ALIGN  # examples: the span and cache length differ
+    cache = [
+        torch.zeros(1, engine.kv_heads, length, engine.head_dim, dtype=engine.cache_dtype, device=engine.device)
+        for _ in engine.layers
+    ]
+    tables = [
+        tuple(torch.zeros(length, engine.head_dim, dtype=engine.dtype, device=engine.device) for _ in range(2))
+        for _ in engine.cache.rotary
+    ]
+    example = (
+        torch.zeros(rows, dtype=torch.long, device=engine.device),
+        torch.arange(rows, device=engine.device),
+        torch.empty(SPAN_ALIGN, dtype=torch.int8),
+        cache,
+        [c.clone() for c in cache],
+        tables,
+    )
+    span, slots = torch.export.Dim("span", min=2), torch.export.Dim("slots", min=2)
+    count = {0: torch.export.Dim("rows", min=1, max=engine.step_rows)} if engine.rows_alone else None
+    dynamic = (
+        count,
+        count,
+        {0: span},
+        [{2: slots}] * len(cache),
+        [{2: slots}] * len(cache),
+        [({0: slots}, {0: slots})] * len(tables),
+    )
+    return example, dynamic
+
+
 def compiled(engine):
     """The compiled step (``step_rows`` tokens): ids, positions, span -> logits.
 
@@ -164,33 +197,7 @@ def compiled(engine):
                     f"[decode engine: could not load {path.name} ({type(e).__name__}); compiling again]",
                     file=sys.stderr,
                 )
-        rows, length = engine.step_rows, 3 * SPAN_ALIGN  # examples: the span and cache length differ
-        cache = [
-            torch.zeros(1, engine.kv_heads, length, engine.head_dim, dtype=engine.cache_dtype, device=engine.device)
-            for _ in engine.layers
-        ]
-        tables = [
-            tuple(torch.zeros(length, engine.head_dim, dtype=engine.dtype, device=engine.device) for _ in range(2))
-            for _ in engine.cache.rotary
-        ]
-        example = (
-            torch.zeros(rows, dtype=torch.long, device=engine.device),
-            torch.arange(rows, device=engine.device),
-            torch.empty(SPAN_ALIGN, dtype=torch.int8),
-            cache,
-            [c.clone() for c in cache],
-            tables,
-        )
-        span, slots = torch.export.Dim("span", min=2), torch.export.Dim("slots", min=2)
-        count = {0: torch.export.Dim("rows", min=1, max=engine.step_rows)} if engine.rows_alone else None
-        dynamic = (
-            count,
-            count,
-            {0: span},
-            [{2: slots}] * len(cache),
-            [{2: slots}] * len(cache),
-            [({0: slots}, {0: slots})] * len(tables),
-        )
+        example, dynamic = _examples(engine)
         step.built = True
         with torch.no_grad():
             program = torch.export.export(_Step(engine), example, dynamic_shapes=dynamic, strict=False)
