@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from compress import kv_quant
-from compress.decode import PromptLookup, greedy, speculate
+from compress.decode import PromptLookup, choice, greedy, speculate
 from compress.decode.loop import with_cache
 from compress.kv_quant import KIVICache, KVScheme
 from compress.pipeline import run_sequential
@@ -94,7 +94,7 @@ def test_cuda_int4_kernel_computes_the_dequantized_weights():
 
     linear = torch.nn.Linear(576, 1536, bias=False)
     w4 = kernels.rtn_w4(linear)
-    assert kernels.exact_formats([w4], CUDA) == ["dense", "int4"]
+    assert choice.exact_formats([w4], CUDA) == ["dense", "int4"]
     matmul = kernels.build("int4", [w4], CUDA)
     qw = w4.quantized
     x = torch.randn(3, 576, device=CUDA, dtype=torch.bfloat16)

@@ -13,6 +13,7 @@ from compress.decode import (
     DecodeError,
     DraftModel,
     PromptLookup,
+    choice,
     greedy,
     kernels,
     layer_subset,
@@ -164,8 +165,8 @@ def test_kernels_hold_the_weights_they_are_offered_for():
     compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n")
     model.float()  # computed in fp32, as on a CPU
     q_proj = model.model.layers[0].self_attn.q_proj
-    assert set(kernels.exact_formats([q_proj], torch.device("cpu"))) >= {"fp32", "bf16", "int4"}
-    assert "int4" not in kernels.exact_formats([tiny("llama").model.layers[0].self_attn.q_proj], torch.device("cpu"))
+    assert set(choice.exact_formats([q_proj], torch.device("cpu"))) >= {"fp32", "bf16", "int4"}
+    assert "int4" not in choice.exact_formats([tiny("llama").model.layers[0].self_attn.q_proj], torch.device("cpu"))
     x = torch.randn(3, 64)
     reference = x @ q_proj.weight.T
     for fmt in ("fp32", "bf16", "int4"):  # bf16 rows in, so agreement to bf16's precision
@@ -180,21 +181,19 @@ def test_kernels_hold_the_weights_they_are_offered_for():
 def test_kernel_timings_are_kept_per_machine(tmp_path, monkeypatch):
     """``auto`` times a group shape once per machine: a later process (here: the process memory
     cleared) reads the timings back instead of timing again, so it chooses the same kernels."""
-    from compress.decode import kernels
-
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path))
-    monkeypatch.setattr(kernels, "_TIMED", {})
+    monkeypatch.setattr(choice, "_TIMED", {})
     model = tiny("llama", layers=2)
     first = Engine(model, kernel="auto")
     saved = list((tmp_path / "kernels").glob("timings-*.json"))
     assert len(saved) == 1 and "qkv" in saved[0].read_text()
 
-    monkeypatch.setattr(kernels, "_TIMED", {})  # a new process
+    monkeypatch.setattr(choice, "_TIMED", {})  # a new process
 
     def no_timing(*args, **kwargs):
         raise AssertionError("timed again")
 
-    monkeypatch.setattr(kernels, "_time_one_row", no_timing)
+    monkeypatch.setattr(choice, "_time_one_row", no_timing)
     again = Engine(model, kernel="auto")
     assert again.formats == first.formats and again.timings == first.timings
 

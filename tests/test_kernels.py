@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from compress import machine, models
-from compress.decode import DecodeError, greedy, kernels, native
+from compress.decode import DecodeError, choice, greedy, kernels, native
 from compress.decode.engine import Engine
 from compress.export import export
 from tests.conftest import _NoTokenizer, compress_with, tiny
@@ -40,13 +40,13 @@ def test_int4_format_on_an_export_computes_the_dequantized_weights(symmetric, tm
 def test_formats_are_offered_only_where_they_hold_the_weights():
     model = tiny("llama", hidden=96).to(torch.bfloat16)
     compress_with(model, "  - rtn: {bits: 4, group_size: -1}\n")  # one group of 96 or 192: no kernel size
-    assert "int4" not in kernels.exact_formats([model.model.layers[0].mlp.down_proj], CPU)
+    assert "int4" not in choice.exact_formats([model.model.layers[0].mlp.down_proj], CPU)
     model = tiny("llama").to(torch.bfloat16)
     compress_with(model, "  - rtn: {bits: 8, group_size: 32}\n")  # int8 weight-only needs one scale per row
-    assert not {"int4", "int8"} & set(kernels.exact_formats([model.model.layers[0].mlp.down_proj], CPU))
+    assert not {"int4", "int8"} & set(choice.exact_formats([model.model.layers[0].mlp.down_proj], CPU))
     compress_with(model := tiny("llama").to(torch.bfloat16), "  - rtn: {bits: 8, group_size: -1}\n")
-    assert "int8" in kernels.exact_formats([model.model.layers[0].mlp.down_proj], CPU)
-    assert "bf16" not in kernels.exact_formats([tiny("llama").model.layers[0].mlp.down_proj], CPU)  # fp32 values
+    assert "int8" in choice.exact_formats([model.model.layers[0].mlp.down_proj], CPU)
+    assert "bf16" not in choice.exact_formats([tiny("llama").model.layers[0].mlp.down_proj], CPU)  # fp32 values
 
 
 def test_aten_cpu_capability_caps_the_instruction_sets_we_choose_kernels_by(monkeypatch):
@@ -105,7 +105,7 @@ def test_bf16_without_onednn_runs_on_aten_and_decodes_as_with_it(monkeypatch):
     down = model.model.layers[0].mlp.down_proj
     matmul = kernels.build("bf16", [down], CPU)
     assert isinstance(matmul, kernels.Dense) and matmul.one_row_kernel
-    assert not kernels.rows_ride_along("bf16") and kernels.rows_ride_along("fp32")
+    assert not matmul.rows_ride_along and kernels.build("fp32", [down], CPU).rows_ride_along
     x = torch.randn(kernels.VERIFY_ROWS + 4, down.in_features).bfloat16()  # a prompt's rows: the fp32 GEMM
     product = x.float() @ down.weight.float().T
     for rows in (1, len(x)):

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .. import USER_INDUCTOR_CACHE, kv_quant
 from ..models import cache_dir
-from . import kernels, native, steps
+from . import choice, kernels, native, steps
 from .attention import Attention
 from .cache import KVCache
 from .loop import DecodeError, device_of
@@ -139,29 +139,29 @@ class Engine:
         self.embed = inner.embed_tokens.weight.detach()
         self.embed_scale = float(getattr(inner.embed_tokens, "scalar_embed_scale", 1.0))
         groups, head = _linear_groups(model, quantize), [model.lm_head]
-        self.formats, self.timings = kernels.choose(
+        self.formats, self.timings = choice.choose(
             {name: [g[name] for g in groups] for name in groups[0]} | {"lm_head": [head]},
             kernel,
             self.device,
             lossy={"lm_head": lm_head} if lm_head else {},
             compiled=compile and self.device.type == "cpu",
         )
-        self.dtype = dtype or _stream_dtype(model, self.device, self.formats)
+        self.lm_head, matmuls = _matmuls(self.formats, head, groups, self.device, compile)
+        self.matmuls = [self.lm_head, *(m for g in matmuls for m in g.values())]  # their traits decide what follows
+        self.dtype = dtype or _stream_dtype(model, self.device, self.matmuls)
         native_attention = (
             self.device.type == "cpu" and self.softcap_attn is None and self.head_dim % 8 == 0 and native.available()
         )
         if cache_dtype not in (None, torch.float32, torch.bfloat16):
             raise DecodeError(f"cache_dtype={cache_dtype}: the KV cache is float32 or bfloat16")
-        self.cache_dtype = cache_dtype or _cache_dtype(self.device, self.dtype, native_attention, self.formats)
+        self.cache_dtype = cache_dtype or _cache_dtype(self.device, self.dtype, native_attention, self.matmuls)
         # one-row attention over an fp32 cache, or a bf16 one read by an fp32 stream: ~60 us of SDPA's
         # overhead a layer on an AVX2 CPU (``native``)
         self.native_attention = native_attention and torch.float32 in (self.cache_dtype, self.dtype)
         self.attention = Attention(self.heads, self.kv_heads, self.scaling, self.softcap_attn, self.native_attention)
         self.final_norm = _norm(inner.norm, self.dtype, gemma)
-        self.lm_head = kernels.build(self.formats["lm_head"], head, self.device, traceable=compile)
-        build = lambda name, lins: kernels.build(self.formats[name], lins, self.device, traceable=compile)  # noqa: E731
         self.layers = [
-            _layer(config, i, layer, g, build, self.dtype) for i, (layer, g) in enumerate(zip(inner.layers, groups))
+            _layer(config, i, layer, m, self.dtype) for i, (layer, m) in enumerate(zip(inner.layers, matmuls))
         ]
         self.q_size, self.kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         graphs = self.device.type == "cuda" if graphs is None else graphs
@@ -174,7 +174,7 @@ class Engine:
         self.compiled, self.compile_seconds, self.note, self.exited = None, 0.0, "", None
         # a compiled step whose every row is computed alone (our kernels and attention) takes exactly
         # its tokens' rows (``steps.run_compiled``): no padding, so a one-token step pays for one row
-        self.rows_alone = compile and self.native_attention and all(map(kernels.rows_alone, self.formats.values()))
+        self.rows_alone = compile and self.native_attention and all(m.rows_alone for m in self.matmuls)
         self.step_rows = self._default_step_rows() if step_rows is None else step_rows
         if not 1 <= self.step_rows <= kernels.VERIFY_ROWS:
             raise DecodeError(f"step_rows={step_rows}: give 1 to {kernels.VERIFY_ROWS}")
@@ -189,8 +189,7 @@ class Engine:
     def _default_step_rows(self) -> int:
         """Extra rows ride along with a float GEMM's weight reads, not with an integer kernel's on a
         CPU; a GPU's step at a few rows is launch-bound whatever the kernel."""
-        formats = self.formats.values()
-        ride_along = self.graphs is not None or self.rows_alone or all(map(kernels.rows_ride_along, formats))
+        ride_along = self.graphs is not None or self.rows_alone or all(m.rows_ride_along for m in self.matmuls)
         return STEP_ROWS if ride_along else 1
 
     @property
@@ -340,7 +339,7 @@ class Engine:
         )
 
 
-def _cache_dtype(device: torch.device, dtype: torch.dtype, native_attention: bool, formats: dict) -> torch.dtype:
+def _cache_dtype(device: torch.device, dtype: torch.dtype, native_attention: bool, matmuls: list) -> torch.dtype:
     """The KV cache's dtype when none is asked for: the stream's, with two exceptions. A bf16 cache
     under an fp32 stream halves what attention reads (a step at 400 cached tokens reads 18 MB of
     fp32 keys and values on SmolLM2), at a rounding of its own: lossy against fp32 greedy, as
@@ -349,16 +348,16 @@ def _cache_dtype(device: torch.device, dtype: torch.dtype, native_attention: boo
         # attention (and so the cache) in fp32 where bf16 arithmetic is emulated (an AVX2-only CPU):
         # there the compiled step's bf16 SDPA for one row over ~330 slots took 352 us a layer, fp32 156-173
         return torch.float32
-    if native_attention and any(map(kernels.rounds_rows, formats.values())):
+    if native_attention and any(m.rounds_rows for m in matmuls):
         # kernels that round their input rows to int8 lose more than a bf16 cache does; the cache's
         # reads halve (18 MB a step at 400 cached tokens in fp32 for SmolLM2, about a sixth of a W4A8 step)
         return torch.bfloat16
     return dtype
 
 
-def _layer(config, i: int, layer, linears: dict[str, list], build, dtype: torch.dtype) -> Layer:
-    """Block ``i`` of a transformers model as the engine runs it: its linear groups on the kernels
-    ``build(name, linears)`` makes, its norms in ``dtype``."""
+def _layer(config, i: int, layer, matmuls: dict[str, kernels.Matmul], dtype: torch.dtype) -> Layer:
+    """Block ``i`` of a transformers model as the engine runs it: its linear groups on ``matmuls``,
+    its norms in ``dtype``."""
     gemma = config.model_type.startswith("gemma")
     a = layer.self_attn
     window = (
@@ -367,7 +366,7 @@ def _layer(config, i: int, layer, linears: dict[str, list], build, dtype: torch.
         else getattr(a, "sliding_window", None)
     )
     return Layer(
-        **{name: build(name, lins) for name, lins in linears.items()},
+        **matmuls,
         attn_norm=_norm(layer.input_layernorm, dtype, gemma),
         mlp_norm=_norm(layer.pre_feedforward_layernorm if gemma else layer.post_attention_layernorm, dtype, gemma),
         post_attn_norm=_norm(layer.post_attention_layernorm, dtype, gemma) if gemma else None,
@@ -399,12 +398,12 @@ def _linear_groups(model, quantize: str | None) -> list[dict[str, list]]:
     return groups
 
 
-def _stream_dtype(model, device: torch.device, formats: dict) -> torch.dtype:
+def _stream_dtype(model, device: torch.device, matmuls: list) -> torch.dtype:
     """The residual stream's dtype when none is asked for: the model's on a GPU; on a CPU bf16 when
     every chosen kernel takes bf16 (then the engine computes what transformers computes in bf16)."""
     if device.type != "cpu":
         return model.dtype
-    return torch.bfloat16 if all(kernels.takes_bf16(fmt) for fmt in formats.values()) else torch.float32
+    return torch.bfloat16 if all(m.takes_bf16 for m in matmuls) else torch.float32
 
 
 def _cache(engine: Engine, model, max_len: int, scheme) -> KVCache:
@@ -420,3 +419,9 @@ def _cache(engine: Engine, model, max_len: int, scheme) -> KVCache:
         max_len,
         scheme,
     )
+
+
+def _matmuls(formats: dict[str, str], head: list, groups: list[dict], device, traceable: bool):
+    """The lm_head's kernel, and each block's linear groups on theirs, in the chosen formats."""
+    build = lambda name, linears: kernels.build(formats[name], linears, device, traceable)  # noqa: E731
+    return build("lm_head", head), [{name: build(name, linears) for name, linears in g.items()} for g in groups]

@@ -1,4 +1,6 @@
-"""Weight formats for decoding, and how the fastest is chosen on this machine.
+"""Weight formats for decoding: one ``Matmul`` class per kernel, registered under the format names
+it runs and carrying the traits the engine reads (``takes_bf16``, ``rows_alone``,
+``rows_ride_along``, ``rounds_rows``). Which format a group gets is ``choice``'s business.
 
 A ``Matmul`` holds one linear group's weights (q/k/v or gate/up fused by rows) in one format:
 fp32 (MKL), fp32 or bf16 prepacked for oneDNN (bf16 on aten where oneDNN takes none: AVX2-only
@@ -9,10 +11,6 @@ and W4 weights (``native``: ``bf16-avx2``, ``int4-avx2``, ``int4-a16``), or W8A8
 (each row rounded to int8 with its own scale ``max|x| / 127.5``, as compressed-tensors and our
 evaluation do). On a GPU: the model's dtype, or tinygemm's CUDA int4 kernel
 (``_weight_int4pack_mm``, same dequantization, its own packing) for W4 groups.
-``choose`` offers a group only the formats that hold its weights exactly and
-keeps the fastest measured here: which one wins depends on the CPU (the int4 kernel is the
-fastest per weight on AVX-512 parts and 20× slower than fp32 on the AVX2-only Zen 1 machines
-this project ran on before).
 
 The integers come from the linear's ``quantized`` record: set by our passes in the same
 process, or read back from an export's packed tensors by ``attach_from_export``; a W8A8
@@ -23,20 +21,17 @@ export loaded by transformers holds its scale and the weight (as int8, or unpack
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
-import time
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import machine
-from ..models import cache_dir
 from ..quant import QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
 from . import native
-from .loop import sync, write_json
 
 INT4_GROUPS = (32, 64, 128, 256)
 
@@ -49,7 +44,7 @@ def int4_kernel_available(device: torch.device = torch.device("cpu")) -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def _w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+def w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(int8 weight, per-channel scale) of a W8A8 linear with per-token activations: ours
     in-process, or one transformers loaded from an ``int-quantized`` export."""
     if not isinstance(linear, nn.Linear):
@@ -184,17 +179,55 @@ def attach_from_export(model: nn.Module, folder: str | Path) -> int:
 # one is asked for (a W4 draft, a quantized lm_head).
 
 FORMATS = ("fp32", "fp32-onednn", "bf16", "bf16-avx2", "int8", "int4", "int4-avx2", "int4-a16", "int4-a8", "w8a8")
-ASKED_ONLY = ("int4-a8",)  # lossy in the activations: never chosen by ``auto``
-FLOAT_FORMATS = ("fp32", "fp32-onednn", "bf16")  # GEMMs: a few more rows cost little (integer kernels: per row)
+FLOAT_FORMATS = ("fp32", "fp32-onednn", "bf16")  # compiled, these all become the compiler's own GEMM
 VERIFY_ROWS = 16  # inputs up to this many rows are speculative verify steps (longer ones: prompts)
 ARGMAX = "int8-argmax"  # an lm_head whose largest logit is exact (``Int8Argmax``): for greedy decoding
 
 
+KERNELS: dict[str, type[Matmul]] = {}  # format name -> the class that runs it (registered below)
+
+
 class Matmul:
+    """One linear group's weights in one format, and the format's traits, which the engine reads
+    from the kernels it built: its stream's dtype, the KV cache's, how many rows a compiled step takes.
+
+    A subclass runs the formats it names (``class Int8(Matmul, formats=("int8",))``) and builds
+    itself from the linears (``from_linears``)."""
+
     fmt = ""
     dtype = torch.float32  # what the kernel takes; inputs are cast to it and outputs back
     nbytes = 0
     device = torch.device("cpu")
+    # every row computed alone, as a one-row call does, whatever the number of rows (our ``native``
+    # kernels: each weight row meets the rows one after another), so a compiled step can take exactly
+    # as many rows as it has tokens; their extra rows cost arithmetic, not weight reads (SmolLM2's bf16
+    # products on a Xeon: 2 rows 1.09x one row, 4 rows 1.50x, 8 2.53x)
+    rows_alone: ClassVar[bool] = False
+    # rounds its input rows to int8 at decode time only (``int4-a8``; W8A8's evaluation rounds them
+    # too, so its engine keeps what the export scored): the engine's tokens already differ from the
+    # model's by more than a bf16 KV cache changes them, and ``auto`` never picks it
+    rounds_rows: ClassVar[bool] = False
+
+    def __init_subclass__(cls, formats: tuple[str, ...] = (), **kwargs):
+        super().__init_subclass__(**kwargs)
+        for fmt in formats:
+            KERNELS[fmt] = cls
+
+    @classmethod
+    def from_linears(cls, fmt: str, linears: list, device: torch.device, traceable: bool) -> Matmul:
+        """The group ``linears`` fused by rows, in this class's format ``fmt``."""
+        raise NotImplementedError
+
+    @property
+    def takes_bf16(self) -> bool:
+        """Its kernel takes bf16 rows, so a bf16 residual stream needs no casts."""
+        return self.dtype == torch.bfloat16
+
+    @property
+    def rows_ride_along(self) -> bool:
+        """A few more rows cost it little beyond its weight reads (a float GEMM), so a compiled
+        step can verify several tokens for the price of one; not integer kernels, which work row by row."""
+        return False
 
     def __init__(self, bias: torch.Tensor | None):
         self.bias = None if bias is None else bias.detach().to(self.device, self.dtype)
@@ -238,9 +271,19 @@ class Matmul:
         return VERIFY_ROWS
 
 
-class Dense(Matmul):
+class Dense(Matmul, formats=("fp32", "dense")):
     """``F.linear`` in fp32 (MKL's GEMV for one row), in bf16 on a CPU whose oneDNN takes no bf16
-    weights, or in the model's dtype on an accelerator."""
+    weights, or in the model's dtype on an accelerator (``dense``)."""
+
+    @classmethod
+    def from_linears(cls, fmt, linears, device, traceable):
+        return cls(
+            _stacked(linears, _weight), _bias(linears), linears[0].weight.dtype if fmt == "dense" else torch.float32
+        )
+
+    @property
+    def rows_ride_along(self) -> bool:
+        return self.device.type == "cpu" and self.dtype == torch.float32
 
     def __init__(self, weight: torch.Tensor, bias, dtype: torch.dtype = torch.float32):
         self.dtype = dtype
@@ -262,10 +305,20 @@ class Dense(Matmul):
         return F.linear(x, self.weight)
 
 
-class OneDNN(Matmul):
+class OneDNN(Matmul, formats=("fp32-onednn", "bf16")):
     """oneDNN's matmul over a weight reordered once into its blocked layout (fp32 or bf16).
     ``traceable`` keeps the plain weight too: the compiler cannot read a reordered one, and
-    prepacks its own copy of the plain one (so a compiled engine holds these weights twice)."""
+    prepacks its own copy of the plain one (so a compiled engine holds these weights twice).
+    bf16 where oneDNN takes no bf16 weights (AVX2-only CPUs): ``Dense`` in bf16."""
+
+    rows_ride_along = True
+
+    @classmethod
+    def from_linears(cls, fmt, linears, device, traceable):
+        weight, bias = _stacked(linears, _weight), _bias(linears)
+        if fmt == "bf16" and not onednn_bf16_available():
+            return Dense(weight, bias, torch.bfloat16)
+        return cls(weight, bias, torch.float32 if fmt == "fp32-onednn" else torch.bfloat16, traceable)
 
     def __init__(self, weight: torch.Tensor, bias, dtype: torch.dtype, traceable: bool = False):
         self.dtype, self.fmt = dtype, "fp32-onednn" if dtype == torch.float32 else "bf16"
@@ -284,11 +337,18 @@ class OneDNN(Matmul):
         return F.linear(x, self.weight)
 
 
-class Int4(Matmul):
+class Int4(Matmul, formats=("int4",)):
     """torch's packed-int4 CPU kernel (tinygemm layout, ``u = q + 8``, ``zero = −z·scale``), fed
-    bf16 rows: its fp32 path is 20–30× slower on every CPU measured here."""
+    bf16 rows: its fp32 path is 20–30× slower on every CPU measured here. On a GPU: ``Int4CUDA``."""
 
     fmt, dtype = "int4", torch.bfloat16
+
+    @classmethod
+    def from_linears(cls, fmt, linears, device, traceable):
+        q, scale, zero = _integers(fmt, linears)
+        if device.type == "cuda":
+            return Int4CUDA(q, scale, zero, _bias(linears), device)
+        return cls(q, scale, zero, _bias(linears))
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias):
         super().__init__(bias)
@@ -305,11 +365,15 @@ class Int4(Matmul):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
-class NativeBF16(Matmul):
+class NativeBF16(Matmul, formats=("bf16-avx2",)):
     """bf16 weights on our AVX2 one-row product (``native``), fed fp32 rows; prompts (more than
     ``VERIFY_ROWS`` rows) run a library GEMM (``prompt_product``), as ``Dense`` does."""
 
-    fmt = "bf16-avx2"
+    fmt, rows_alone = "bf16-avx2", True
+
+    @classmethod
+    def from_linears(cls, fmt, linears, device, traceable):
+        return cls(_stacked(linears, _weight), _bias(linears))
 
     def __init__(self, weight: torch.Tensor, bias):
         super().__init__(bias)
@@ -322,13 +386,17 @@ class NativeBF16(Matmul):
         return torch.ops.compress.bf16_matmul(x.contiguous(), self.weight)
 
 
-class NativeInt4(Matmul):
+class NativeInt4(Matmul, formats=("int4-avx2",)):
     """W4 groups on our AVX2 one-row product (``native``): ``w = scale·u + offset`` with ``u = q + 8``
     and ``offset = −(8 + z)·scale``, fed fp32 rows; prompts dequantize for a library GEMM
     (``prompt_product``; on a 330-token prompt about twice as fast as any int4 kernel on an AVX2
     EPYC, 1.5× torch's int4 kernel on a Zen 4)."""
 
-    fmt = "int4-avx2"
+    fmt, rows_alone = "int4-avx2", True
+
+    @classmethod
+    def from_linears(cls, fmt, linears, device, traceable):
+        return cls(*_integers(fmt, linears), _bias(linears))
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias):
         super().__init__(bias)
@@ -350,7 +418,7 @@ class NativeInt4(Matmul):
         return torch.ops.compress.int4_matmul(x.contiguous(), self.packed, self.scale, self.offset, self.group_size)
 
 
-class NativeInt4A16(NativeInt4):
+class NativeInt4A16(NativeInt4, formats=("int4-a16",)):
     """``NativeInt4``'s weights times one-to-few rows rounded to 16 bits per block of 64 (each value
     within 2^-16 of its block's largest: finer than bf16 rounds a row for torch's int4 kernel),
     multiplied as two int8 parts on integer dot products (VNNI where the CPU has it): about 1.5×
@@ -367,17 +435,17 @@ class NativeInt4A16(NativeInt4):
         )
 
 
-class NativeInt4A8(NativeInt4A16):
+class NativeInt4A8(NativeInt4A16, formats=("int4-a8",)):
     """``NativeInt4A16`` with rows rounded to int8 per block of 64 (W4A8, as llama.cpp's Q4 × Q8
     products): one integer product a block instead of two, so the product streams its weights near
     the memory's rate (a 576→49152 lm_head on a Zen 4: 0.34 ms against 0.85 for ``int4-avx2`` and
     1.57 for bf16). Lossy in the activations (about 1% of a product's size), so used only when
     asked for by name."""
 
-    fmt, op = "int4-a8", "int4_matmul_a8"
+    fmt, op, rounds_rows = "int4-a8", "int4_matmul_a8", True
 
 
-class Int8Argmax(Matmul):
+class Int8Argmax(Matmul, formats=(ARGMAX,)):
     """An lm_head for greedy decoding: logits whose largest (its position and value) is exactly
     ``NativeBF16``'s, at about half its reads. An int8 copy of the bf16 weight (one scale a row)
     scores every row against the row rounded to 16 bits per block; each score's error has a proven
@@ -388,7 +456,11 @@ class Int8Argmax(Matmul):
     int8 activations let the outlier channels widen it as far. The other logits are int8's: lossy
     for sampling, so only greedy decoding asks for it (``lm_head="argmax"``)."""
 
-    fmt = ARGMAX
+    fmt, rows_alone = ARGMAX, True
+
+    @classmethod
+    def from_linears(cls, fmt, linears, device, traceable):
+        return cls(_stacked(linears, _weight), _bias(linears))
 
     def __init__(self, weight: torch.Tensor, bias):
         super().__init__(bias)
@@ -435,10 +507,15 @@ class Int4CUDA(Matmul):
         return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_and_zeros)
 
 
-class Int8(Matmul):
+class Int8(Matmul, formats=("int8",)):
     """Weight-only int8 with one scale per output row (``_weight_int8pack_mm``), fed bf16 rows."""
 
     fmt, dtype = "int8", torch.bfloat16
+
+    @classmethod
+    def from_linears(cls, fmt, linears, device, traceable):
+        q, scale, _ = _integers(fmt, linears)
+        return cls(q, scale, _bias(linears))
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias):
         super().__init__(bias)
@@ -449,11 +526,16 @@ class Int8(Matmul):
         return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
 
 
-class W8A8(Matmul):
+class W8A8(Matmul, formats=("w8a8",)):
     """Int8 weights and per-token int8 activations on ``torch._int_mm`` (SmoothQuant's exports)."""
 
     fmt = "w8a8"
     CUDA_ROWS = 32  # cuBLAS's int8 GEMM behind ``_int_mm`` takes more than 16 rows: fewer are padded
+
+    @classmethod
+    def from_linears(cls, fmt, linears, device, traceable):
+        q, scale = zip(*(w8a8_integers(lin) for lin in linears))
+        return cls(torch.cat(q), torch.cat(scale), _bias(linears), device)
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor, bias, device: torch.device = torch.device("cpu")):
         self.device = device
@@ -470,35 +552,22 @@ class W8A8(Matmul):
         return torch._int_mm(q, self.weight_t)[:rows].float() * scale * self.scale
 
 
-def rows_ride_along(fmt: str) -> bool:
-    """Whether a few more rows cost the format little beyond its weight reads (a float GEMM), so a
-    compiled step can verify several tokens for the price of one. Not for integer kernels, which
-    work row by row, nor for bf16 where oneDNN cannot take it (``Dense.one_row_kernel``)."""
-    return fmt in FLOAT_FORMATS and (fmt != "bf16" or onednn_bf16_available())
-
-
-def rows_alone(fmt: str) -> bool:
-    """Whether the format's kernel computes every row alone, as a one-row call does, whatever the
-    number of rows (our ``native`` kernels: each weight row meets the rows one after another), so a
-    compiled step can take exactly as many rows as it has tokens. Their extra rows cost arithmetic,
-    not weight reads (SmolLM2's bf16 products on a Xeon: 2 rows 1.09x one row, 4 rows 1.50x, 8 2.53x)."""
-    return fmt in native.FORMATS or fmt == ARGMAX
-
-
-def rounds_rows(fmt: str) -> bool:
-    """Whether the format rounds its input rows to int8 at decode time only (``int4-a8``; W8A8's
-    evaluation rounds them too, so its engine must keep what the export scored), so the engine's
-    tokens already differ from the model's by more than a bf16 KV cache changes them."""
-    return fmt in ASKED_ONLY
-
-
-def takes_bf16(fmt: str) -> bool:
-    """Whether the format's kernel takes bf16 rows (so a bf16 residual stream needs no casts)."""
-    return fmt in ("bf16", "int8", "int4")
-
-
 def _stacked(linears: list, part) -> torch.Tensor:
     return torch.cat([part(lin) for lin in linears])
+
+
+def _weight(linear) -> torch.Tensor:
+    return linear.weight.detach()
+
+
+def _integers(fmt: str, linears: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, scale, zero) of the group fused by rows: the integers recorded on each linear, or, for a
+    lossy format asked for, its weights rounded to nearest as ``fmt`` holds them."""
+    qws = [
+        quantized_of(lin) or quantize_weight(lin.weight.detach().float(), _LOSSY[fmt](lin), torch.bfloat16)
+        for lin in linears
+    ]
+    return tuple(torch.cat([getattr(qw, part) for qw in qws]) for part in ("q", "scale", "zero_point"))
 
 
 def _bias(linears: list) -> torch.Tensor | None:
@@ -507,103 +576,12 @@ def _bias(linears: list) -> torch.Tensor | None:
     return torch.cat([lin.bias.detach() if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears])
 
 
-def exact_formats(linears: list, device: torch.device) -> list[str]:
-    """The formats that hold every linear of the group exactly, on ``device``."""
-    if all(_w8a8_integers(lin) is not None for lin in linears) and (
-        device.type == "cpu" or linears[0].in_features % 8 == sum(lin.out_features for lin in linears) % 8 == 0
-    ):
-        return ["w8a8"]  # its activations are int8 by design: the float formats would not be W8A8
-    if device.type != "cpu":
-        return ["dense"] + (["int4"] if _int4_fits(linears, device) else [])
-    found = ["fp32"] + (["fp32-onednn"] if onednn_available() else [])
-    weights = [lin.weight.detach() for lin in linears]
-    if all(torch.equal(w.to(torch.bfloat16).to(w.dtype), w) for w in weights):
-        found.append("bf16")
-    schemes = [quantized_of(lin) and quantized_of(lin).scheme for lin in linears]
-    if all(s is not None and s.bits == 8 and s.symmetric and s.group_size == -1 for s in schemes):
-        found.append("int8")
-    if _int4_fits(linears, device):
-        found.append("int4")
-    if native.available():
-        found += ["bf16-avx2"] if "bf16" in found and linears[0].in_features % 16 == 0 else []
-        found += ["int4-avx2"] if _native_int4_fits(linears) else []
-        found += ["int4-a16", "int4-a8"] if _native_int4_fits(linears, a8=True) else []
-    return found
-
-
-def argmax_fits(linears: list, device: torch.device) -> bool:
-    """Whether ``Int8Argmax`` can stand in for this layer (one linear, no bias, bf16 weights, a
-    width of whole blocks, our kernels built)."""
-    (lin,) = linears
-    w = lin.weight.detach()
-    return (
-        device.type == "cpu"
-        and lin.bias is None
-        and lin.in_features % 64 == 0
-        and torch.equal(w.to(torch.bfloat16).to(w.dtype), w)
-        and native.available()
-    )
-
-
-def _native_int4_fits(linears: list, a8: bool = False) -> bool:
-    qws = [quantized_of(lin) for lin in linears]
-    return (
-        all(qw is not None and qw.scheme.bits == 4 for qw in qws)
-        and len({qw.scale.shape[1] for qw in qws}) == 1
-        and linears[0].in_features % 64 == 0
-        and linears[0].in_features // qws[0].scale.shape[1] in (INT4_GROUPS[1:] if a8 else INT4_GROUPS)
-    )
-
-
-def _int4_fits(linears: list, device: torch.device) -> bool:
-    """W4 integers recorded on every linear, one group size the kernel takes, shapes it tiles."""
-    qws = [quantized_of(lin) for lin in linears]
-    return (
-        int4_kernel_available(device)
-        and all(qw is not None and qw.scheme.bits == 4 for qw in qws)
-        and len({qw.scale.shape[1] for qw in qws}) == 1
-        and linears[0].in_features // qws[0].scale.shape[1] in INT4_GROUPS
-        and sum(lin.out_features for lin in linears) % 16 == 0
-        and (device.type == "cpu" or linears[0].in_features % 32 == 0)
-    )
-
-
 def build(fmt: str, linears: list, device: torch.device, traceable: bool = False) -> Matmul:
     """One ``Matmul`` over ``linears`` fused by rows, in ``fmt``; lossy formats round first.
     ``traceable``: for an engine that will be compiled (see ``OneDNN``)."""
-    bias = _bias(linears)
-    weight = lambda: _stacked(linears, lambda lin: lin.weight.detach())  # noqa: E731
-    if fmt == "dense":
-        return Dense(weight(), bias, linears[0].weight.dtype)
-    if fmt == "fp32":
-        return Dense(weight(), bias)
-    if fmt == "bf16-avx2":
-        return NativeBF16(weight(), bias)
-    if fmt == "bf16" and not onednn_bf16_available():
-        return Dense(weight(), bias, torch.bfloat16)
-    if fmt in ("fp32-onednn", "bf16"):
-        return OneDNN(weight(), bias, torch.float32 if fmt == "fp32-onednn" else torch.bfloat16, traceable)
-    if fmt == ARGMAX:
-        return Int8Argmax(weight(), bias)
-    if fmt == "w8a8":
-        q, scale = zip(*(_w8a8_integers(lin) for lin in linears))
-        return W8A8(torch.cat(q), torch.cat(scale), bias, device)
-    qws = [
-        quantized_of(lin) or quantize_weight(lin.weight.detach().float(), _LOSSY[fmt](lin), torch.bfloat16)
-        for lin in linears
-    ]
-    if fmt == "int8":
-        return Int8(torch.cat([qw.q for qw in qws]), torch.cat([qw.scale for qw in qws]), bias)
-    if fmt in ("int4", "int4-avx2", "int4-a16", "int4-a8"):
-        q, scale, zero = (torch.cat([getattr(qw, part) for qw in qws]) for part in ("q", "scale", "zero_point"))
-        if fmt != "int4":
-            return {"int4-avx2": NativeInt4, "int4-a16": NativeInt4A16, "int4-a8": NativeInt4A8}[fmt](
-                q, scale, zero, bias
-            )
-        if device.type == "cuda":
-            return Int4CUDA(q, scale, zero, bias, device)
-        return Int4(q, scale, zero, bias)
-    raise ValueError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+    if fmt not in KERNELS:
+        raise ValueError(f"unknown format {fmt!r} (known: {', '.join(FORMATS)})")
+    return KERNELS[fmt].from_linears(fmt, linears, device, traceable)
 
 
 def _int4_group(lin) -> int:
@@ -626,131 +604,5 @@ def rtn_w4(linear: nn.Linear) -> nn.Linear:
     out.weight = nn.Parameter(
         dequantize(qw.q, qw.scale, qw.zero_point, torch.bfloat16).to(linear.weight.dtype), requires_grad=False
     )
-    out.quantized = qw
+    qw.attach(out)
     return out
-
-
-def _time_one_row(
-    matmuls: list[Matmul], width: int, dtype: torch.dtype, device: torch.device, repeats: int = 7
-) -> float:
-    """Fastest of ``repeats`` ms to push one row through every matmul in turn (the weights stream
-    as in decoding); the minimum, since other work on the machine can only add time."""
-    x = torch.randn(1, width, dtype=dtype, device=device)
-    for m in matmuls:
-        m(x)  # warm-up: first calls allocate
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        start = time.perf_counter()
-        for m in matmuls:
-            m(x)
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return min(times) * 1e3
-
-
-# Timings of a group shape on a device, kept on disk per machine (``_timings_file``): formats
-# within timing noise of each other would otherwise be chosen differently by two runs, or two
-# engines, over the same model (and compute differently: bf16 and fp32 round differently), and
-# then their tokens would differ at near-ties.
-_TIMED: dict[str, dict[str, float]] = {}
-
-
-def _timings_file(device: torch.device) -> Path:
-    # our own kernels' source too: a changed kernel is timed again
-    digest = hashlib.blake2b(machine.key(device).encode() + native.SOURCE.read_bytes(), digest_size=8).hexdigest()
-    return cache_dir() / "kernels" / f"timings-{digest}.json"
-
-
-def _timed(key: str, device: torch.device) -> dict[str, float] | None:
-    """The timings of ``key`` measured earlier on this machine (this process, or one before)."""
-    if key not in _TIMED:
-        path = _timings_file(device)
-        try:
-            _TIMED.update({k: v for k, v in json.loads(path.read_text()).items() if k not in _TIMED})
-        except (OSError, ValueError):
-            pass  # none yet, or unreadable: time again
-    return _TIMED.get(key)
-
-
-def _keep_timed(key: str, measured: dict[str, float], device: torch.device) -> None:
-    _TIMED[key] = measured
-    path = _timings_file(device)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        saved = json.loads(path.read_text()) if path.exists() else {}
-        write_json(path, saved | {key: measured}, indent=1)
-    except (OSError, ValueError):
-        pass  # a read-only or damaged cache: this process still keeps the timings
-
-
-def choose(
-    groups: dict[str, list[list]],
-    kernel: str,
-    device: torch.device,
-    lossy: dict[str, str] | None = None,
-    compiled: bool = False,
-) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
-    """The format of each linear group (name -> per-layer lists of linears), and what each
-    timed candidate took for one token (ms over all layers).
-
-    ``auto`` times every exact format (once per group shape in a process) and keeps the fastest;
-    ``dense`` keeps plain matmuls;
-    a format name is used where it is exact, elsewhere bf16 (for a format that takes bf16
-    rows, so the stream stays bf16) or fp32. ``lossy`` names a
-    format per group to use whatever the weights are (``argmax``: ``Int8Argmax`` where it runs,
-    else the exact formats, whose largest logit is the same). ``compiled`` (a CPU engine under
-    AOTInductor): the float formats all become the compiler's own GEMM, so ``auto``
-    offers only bf16 among them where it is exact (half the bytes of fp32; what eager
-    timings say of oneDNN and MKL does not carry over).
-    """
-    formats, timings = {}, {}
-    for name, layers in groups.items():
-        if lossy and lossy.get(name) == "argmax" and argmax_fits(layers[0], device):
-            formats[name] = ARGMAX
-            continue
-        # a lossy int4 on a CPU: the int4 kernel asked for, or the fastest (argmax where it cannot run:
-        # the exact formats, whose largest logit is the same)
-        if lossy and name in lossy and lossy[name] != "argmax":
-            native_fits = device.type == "cpu" and layers[0][0].in_features % 64 == 0 and native.available()
-            exact = [lossy[name]]
-            if lossy[name] == "int4" and native_fits and (kernel == "auto" or kernel in native.INT4_FORMATS):
-                exact = [kernel] if kernel != "auto" else ["int4", "int4-avx2", "int4-a16"]
-            if len(exact) == 1:
-                formats[name] = exact[0]
-                continue
-        else:
-            exact = [
-                f
-                for f in exact_formats(layers[0], device)
-                if all(f in exact_formats(lins, device) for lins in layers[1:])
-            ] or ["fp32"]
-        if kernel == "auto":
-            exact = [f for f in exact if f not in ASKED_ONLY] or ["fp32"]
-        if compiled and kernel == "auto" and "bf16" in exact:
-            exact = [f for f in exact if f == "bf16" or f not in FLOAT_FORMATS]
-        if kernel == "auto" and len(exact) == 1:
-            formats[name] = exact[0]
-        elif kernel == "auto":
-            key = repr(
-                (str(device), name, len(layers), [(lin.out_features, lin.in_features) for lin in layers[0]], exact)
-            )
-            measured = _timed(key, device)
-            if measured is None:
-                width, measured = layers[0][0].in_features, {}
-                for fmt in exact:
-                    built = [build(fmt, lins, device) for lins in layers]
-                    measured[fmt] = _time_one_row(built, width, torch.float32, device)
-                    del built
-                _keep_timed(key, measured, device)
-            timings[name] = measured
-            formats[name] = min(timings[name], key=timings[name].get)
-        elif kernel in exact or exact == ["w8a8"]:  # W8A8 has one format
-            formats[name] = kernel if kernel in exact else exact[0]
-        elif "dense" in exact:  # an accelerator: its own dtype
-            formats[name] = "dense"
-        elif kernel in native.FORMATS and "bf16-avx2" in exact:  # our W4 kernel asked: our bf16 one elsewhere
-            formats[name] = "bf16-avx2"
-        else:  # dense, or a format that does not hold these weights: bf16 for a bf16 format, else fp32
-            formats[name] = "bf16" if takes_bf16(kernel) and "bf16" in exact else "fp32"
-    return formats, timings

@@ -3,7 +3,6 @@ from the model's own earlier outputs, sent only where they are expected to pay f
 
 from __future__ import annotations
 
-from . import kernels
 from .loop import common_prefix
 
 
@@ -22,10 +21,10 @@ def default_token_cost(target) -> float:
     padded = getattr(target, "compiled", None) is not None and not getattr(target, "rows_alone", False)
     if padded or target.device.type != "cpu":
         return 0.0
-    formats = set(getattr(target, "formats", {}).values())
-    if all(kernels.rows_ride_along(fmt) for fmt in formats):
+    matmuls = getattr(target, "matmuls", [])
+    if all(m.rows_ride_along for m in matmuls):
         return 0.05
-    return 0.25 if all(kernels.rows_ride_along(fmt) or fmt == "bf16-avx2" for fmt in formats) else 0.7
+    return 0.25 if all(m.rows_ride_along or m.fmt == "bf16-avx2" for m in matmuls) else 0.7
 
 
 class PromptLookup:
