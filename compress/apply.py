@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from . import data, distributed, export, kv_quant, machine, memory, models, resume
+from .data import activation_store
 from .evaluate import evaluate, windows_of
 from .formats import gguf_file
 from .passes import ModelPass, RecipeError
-from .pipeline import activation_store, run_passes
+from .pipeline import run_passes
 from .recipe import Recipe
 
 

@@ -11,19 +11,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import shutil
-import tempfile
 import warnings
-import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from . import distributed, moe
 from .arch import arch_of, decoder_layers
-from .data import DataError
 from .hessian import Statistic
 from .lazy import streamed
 from .models import cast_params, compute_dtype
@@ -84,60 +79,6 @@ class _Replay(_StandIn):
         # a copy: a layer that works in place on this output must not change what is kept
         y = self.kept[self.sample].clone() if self.settled else self.linear(self.kept[self.sample])
         return y if self.tail is None else (y, *self.tail)
-
-
-class SpilledList:
-    """A list of tensors kept in files under ``root`` instead of in RAM (``apply --spill``): the
-    calibration activations of many samples of a big model. Each tensor is written once and read
-    back memory-mapped, so its pages are file pages the OS can drop and read again, not memory
-    the process must hold; ``device`` is where items are handed out. The files go with the list."""
-
-    def __init__(self, root: Path, device: torch.device):
-        self.folder = Path(tempfile.mkdtemp(prefix="activations-", dir=root))
-        weakref.finalize(self, shutil.rmtree, self.folder, True)
-        self.device, self.entries, self.written = device, [], 0
-
-    def _write(self, t: torch.Tensor) -> tuple:
-        t = t.detach().to("cpu").contiguous()
-        path = self.folder / f"{self.written}.bin"
-        self.written += 1
-        t.reshape(-1).view(torch.uint8).numpy().tofile(path)
-        return path, t.shape, t.dtype
-
-    def append(self, t: torch.Tensor) -> None:
-        self.entries.append(self._write(t))
-
-    def __setitem__(self, i: int, t: torch.Tensor) -> None:
-        old, self.entries[i] = self.entries[i], self._write(t)
-        old[0].unlink()  # a mapping still open keeps its pages until it is dropped
-
-    def __getitem__(self, i):
-        if isinstance(i, slice):
-            return [self[j] for j in range(len(self))[i]]
-        path, shape, dtype = self.entries[i]
-        size = shape.numel() * dtype.itemsize
-        return (
-            torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-            .view(dtype)
-            .view(shape)
-            .to(self.device)
-        )
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
-
-
-def activation_store(spill: str | Path | None, device: torch.device) -> Callable[[], list]:
-    """What holds calibration activations: a list in RAM, or a ``SpilledList`` under ``spill``."""
-    if spill is None:
-        return list
-    root = Path(spill)
-    if not root.is_dir():
-        raise DataError(f"--spill {spill}: not a folder; give an existing folder with room for the activations")
-    return lambda: SpilledList(root, device)
 
 
 def _home(module: torch.nn.Module) -> torch.device:

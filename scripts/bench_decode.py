@@ -54,13 +54,13 @@ from compress.decode import (
     default_token_cost,
     early_exit,
     greedy,
-    kernels,
     native,
     speculate,
 )
 from compress.decode.engine import Engine
 from compress.decode.lookahead import lookahead
 from compress.decode.loop import sync
+from compress.formats.compressed_tensors import attach_integers
 
 OPEN = [
     "Write a short story about a robot who learns to paint.",
@@ -244,7 +244,7 @@ def main() -> None:
     w4, how = dict(compile=not cuda, kernel=args.w4_kernel), "CUDA graphs" if cuda else "compiled"
     if args.w4:
         w4_model = models.for_compute(models.load(args.w4, torch.bfloat16).model, device)
-        kernels.attach_from_export(w4_model, args.w4)
+        attach_integers(w4_model, args.w4)
         rows[f"ours W4 greedy ({Path(args.w4).name}), {how}"] = engine_row(w4_model, **w4)
     else:
         rows[f"ours W4 greedy (RTN in memory), {how}"] = engine_row(base, quantize="w4", **w4)

@@ -26,7 +26,7 @@ from bench_decode import datastore, prompts  # this script's folder is on the pa
 from transformers import DynamicCache
 
 from compress import machine, models
-from compress.decode import PromptLookup, common_prefix, default_token_cost, greedy, kernels
+from compress.decode import PromptLookup, common_prefix, default_token_cost, greedy, onednn
 from compress.decode.loop import forward_logits
 
 WIDTHS = (1, 2, 3, 5, 9, 11, 17)
@@ -116,7 +116,7 @@ def main() -> None:
     loaded = models.load(args.model, torch.bfloat16)
     model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
     if device.type == "cpu":
-        kernels.use_onednn(model)
+        onednn.use_onednn(model)
     eos = {tokenizer.eos_token_id}
     store = datastore(args.datastore, model, tokenizer, args.new_tokens, eos, device) if args.datastore else None
     sets = {name: [p.to(device) for p in ps[: args.prompts]] for name, ps in prompts(tokenizer).items()}

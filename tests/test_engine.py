@@ -18,6 +18,7 @@ from compress.decode import (
     kernels,
     layer_subset,
     native,
+    onednn,
     speculate,
     steps,
 )
@@ -107,7 +108,7 @@ def test_engine_greedy_equals_transformers_greedy_on_smollm2(smollm2):
     engine = Engine(fp32, kernel="bf16")  # bf16 kernels: a bf16 stream, as transformers computes in bf16
     assert engine.dtype == torch.bfloat16
     plain = greedy(engine, prompt, 24).tokens
-    if kernels.onednn_bf16_available():  # else our prompts run on an fp32 GEMM (``kernels.Dense``), whose
+    if onednn.onednn_bf16_available():  # else our prompts run on an fp32 GEMM (``kernels.Dense``), whose
         assert plain == greedy(bf16, prompt, 24).tokens  # sums round apart from aten's bf16 GEMM
     engine.reset()  # in bf16 a verify step must round as one-token steps do, or speculation changes tokens
     engine.forward(prompt)
@@ -159,7 +160,6 @@ def test_lookahead_on_the_engine_is_token_identical_to_its_greedy(model_type):
 
 @pytest.mark.skipif(not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"), reason="no int4 CPU kernel")
 def test_kernels_hold_the_weights_they_are_offered_for():
-    from compress.decode import kernels
 
     model = tiny("llama", layers=2).to(torch.bfloat16)  # stored in bf16, as checkpoints are
     compress_with(model, "  - rtn: {bits: 4, group_size: 32}\n")

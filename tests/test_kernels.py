@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from compress import machine, models
-from compress.decode import DecodeError, choice, greedy, kernels, native
+from compress.decode import DecodeError, choice, greedy, kernels, native, onednn
 from compress.decode.engine import Engine
 from compress.export import export
+from compress.formats.compressed_tensors import attach_integers
 from tests.conftest import _NoTokenizer, compress_with, tiny
 
 CPU = torch.device("cpu")
@@ -18,13 +19,13 @@ def _export_and_reload(model, recipe, folder):
     return models.for_compute(models.load_model(out, torch.bfloat16), CPU), out
 
 
-@pytest.mark.skipif(not kernels.int4_kernel_available(), reason="this torch has no int4 CPU kernel")
+@pytest.mark.skipif(not choice.int4_kernel_available(), reason="this torch has no int4 CPU kernel")
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_int4_format_on_an_export_computes_the_dequantized_weights(symmetric, tmp_path):
     model = tiny("llama").to(torch.bfloat16)  # stored in bf16, as checkpoints are
     recipe = compress_with(model, f"  - rtn: {{bits: 4, group_size: 32, symmetric: {str(symmetric).lower()}}}\n")
     reloaded, out = _export_and_reload(model, recipe, tmp_path / "x")
-    assert kernels.attach_from_export(reloaded, out) == 14  # 2 blocks × 7 linears
+    assert attach_integers(reloaded, out) == 14  # 2 blocks × 7 linears
     down = reloaded.model.layers[0].mlp.down_proj
     x = torch.randn(3, down.in_features).bfloat16().float()  # bf16 values: the kernel's input is exact
     int4 = kernels.build("int4", [down], CPU)
@@ -81,14 +82,14 @@ def test_w8a8_format_matches_fake_quantized_w8a8_in_process_and_from_the_export(
     assert greedy(Engine(reloaded), ids, 12).tokens == greedy(Engine(model), ids, 12).tokens
 
 
-@pytest.mark.skipif(not kernels.onednn_available(), reason="this torch has no oneDNN")
+@pytest.mark.skipif(not onednn.onednn_available(), reason="this torch has no oneDNN")
 def test_onednn_linears_compute_what_the_model_computes():
     model = tiny("llama")
     prompt = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(prompt).logits
     plain = greedy(model, prompt, 12).tokens
-    assert kernels.use_onednn(model) == 15  # 14 block linears and the lm_head
+    assert onednn.use_onednn(model) == 15  # 14 block linears and the lm_head
     assert model.lm_head.weight is None and model.model.layers[0].mlp.up_proj.weight is not None
     with torch.no_grad():  # multi-row (oneDNN) and single-row (MKL) paths both
         torch.testing.assert_close(model(prompt).logits, before, atol=1e-5, rtol=1e-5)
@@ -101,7 +102,7 @@ def test_bf16_without_onednn_runs_on_aten_and_decodes_as_with_it(monkeypatch):
     model = tiny("llama").to(torch.bfloat16)
     prompt = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     reference = greedy(Engine(model, kernel="bf16"), prompt, 12).tokens
-    monkeypatch.setattr(kernels, "onednn_bf16_available", lambda: False)
+    monkeypatch.setattr(onednn, "onednn_bf16_available", lambda: False)
     down = model.model.layers[0].mlp.down_proj
     matmul = kernels.build("bf16", [down], CPU)
     assert isinstance(matmul, kernels.Dense) and matmul.one_row_kernel

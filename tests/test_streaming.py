@@ -147,7 +147,7 @@ def test_spilled_activations_give_the_same_export_and_leave_no_file(sharded, tmp
 
 
 def test_spilled_list_reads_back_what_was_written(tmp_path):
-    from compress.pipeline import SpilledList
+    from compress.data import SpilledList
 
     items = SpilledList(tmp_path, torch.device("cpu"))
     tensors = [torch.randn(1, 5, 3), torch.randn(2, 4).bfloat16()]

@@ -19,7 +19,7 @@ import torch
 from .. import machine
 from ..models import cache_dir
 from ..quant import quantized_of
-from . import native
+from . import native, onednn
 from .kernels import (
     ARGMAX,
     FLOAT_FORMATS,
@@ -27,11 +27,17 @@ from .kernels import (
     KERNELS,
     Matmul,
     build,
-    int4_kernel_available,
-    onednn_available,
     w8a8_integers,
 )
 from .loop import sync, write_json
+
+
+def int4_kernel_available(device: torch.device = torch.device("cpu")) -> bool:
+    """Whether torch has the int4 kernel for ``device``: the CPU one, or tinygemm on an Ampere or
+    newer GPU (bf16 tensor cores)."""
+    if device.type == "cuda":
+        return hasattr(torch.ops.aten, "_weight_int4pack_mm") and torch.cuda.get_device_capability(device)[0] >= 8
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 def exact_formats(linears: list, device: torch.device) -> list[str]:
@@ -42,7 +48,7 @@ def exact_formats(linears: list, device: torch.device) -> list[str]:
         return ["w8a8"]  # its activations are int8 by design: the float formats would not be W8A8
     if device.type != "cpu":
         return ["dense"] + (["int4"] if _int4_fits(linears, device) else [])
-    found = ["fp32"] + (["fp32-onednn"] if onednn_available() else [])
+    found = ["fp32"] + (["fp32-onednn"] if onednn.onednn_available() else [])
     weights = [lin.weight.detach() for lin in linears]
     if all(torch.equal(w.to(torch.bfloat16).to(w.dtype), w) for w in weights):
         found.append("bf16")

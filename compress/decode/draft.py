@@ -7,11 +7,13 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 
 from ..arch import arch_of, decoder_layers
+from ..data import calibration_batches
 from .loop import DecodeError, Sampling, runner_for, speculate, write_json
 
 
@@ -165,3 +167,37 @@ def search_layers(
         )
     best = max(trials, key=lambda t: t["tokens_per_s"])
     return best["layers"], trials
+
+
+def format_layers(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8" (what ``--layers`` takes)."""
+    parts, start = [], layers[0]
+    for a, b in zip(layers, layers[1:] + [None]):
+        if b != a + 1:
+            parts.append(f"{start}-{a}" if a > start else str(a))
+            start = b
+    return ",".join(parts)
+
+
+def choose_layers(model, tokenizer, checkpoint: str, spec: str, k: int, threshold: float) -> list[int]:
+    """Self-speculation's draft layers: ``spec`` as given (``0-14,16``), or (``auto``) the subset
+    saved with ``checkpoint``, else searched on two wikitext calibration prompts and saved next to
+    the checkpoint's weights for next time. Says what it chose on stderr."""
+    count = layer_count(model)
+    if spec != "auto":
+        return parse_layers(spec, count)
+    if (keep := saved_layers(checkpoint, count)) is not None:
+        print(f"[self-spec: drafting with layers {format_layers(keep)}, saved with {checkpoint}]", file=sys.stderr)
+        return keep
+    ids, _ = calibration_batches(model, tokenizer, "wikitext2", 2, 64, seed=0)
+    keep, trials = search_layers(model, [row.unsqueeze(0).to(model.device) for row in ids], k=k, threshold=threshold)
+    for t in trials:
+        print(
+            f"[self-spec search: {len(t['layers'])}/{count} layers {format_layers(t['layers'])}: "
+            f"{t['tokens_per_s']:.1f} tokens/s, {t['tokens_per_forward']:.2f} tokens per forward]",
+            file=sys.stderr,
+        )
+    saved = save_layers(checkpoint, keep, trials)
+    where = f"saved in {saved}" if saved else f"pass --layers {format_layers(keep)} to skip the search"
+    print(f"[self-spec: drafting with layers {format_layers(keep)}; {where}]", file=sys.stderr)
+    return keep

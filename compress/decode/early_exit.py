@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import time
 from typing import Literal
 
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from ..data import calibration_batches
 from .loop import DecodeError, DecodeResult, device_of, sync, with_cache
 
 SUPPORTED = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
@@ -176,3 +178,17 @@ def calibrate(model, ids: torch.Tensor, exits: list[int], measure: Measure = "so
             "mean_layers": depth.float().mean().item(),
         }
     return best
+
+
+def calibrated_threshold(model, tokenizer, exits: list[int], measure: Measure, agreement: float = 0.9) -> float:
+    """The threshold whose exits keep ``agreement`` top-1 agreement with the whole model on two
+    wikitext calibration windows (CALM calibrates on held-out text); says what it found on stderr."""
+    ids, _ = calibration_batches(model, tokenizer, "wikitext2", 2, 256, seed=0)
+    found = calibrate(model, ids, exits, measure, target=agreement)
+    print(
+        f"[early exit: {measure} threshold {found['threshold']:.3f} at layers {exits} keeps "
+        f"{found['agreement']:.1%} top-1 agreement on calibration text, {found['mean_layers']:.1f} layers per "
+        "token on average]",
+        file=sys.stderr,
+    )
+    return found["threshold"]

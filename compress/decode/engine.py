@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from .. import USER_INDUCTOR_CACHE, kv_quant
 from ..models import cache_dir
-from . import choice, kernels, native, steps
+from . import choice, kernels, native, onednn, steps
 from .attention import Attention
 from .cache import KVCache
 from .loop import DecodeError, device_of
@@ -344,7 +344,7 @@ def _cache_dtype(device: torch.device, dtype: torch.dtype, native_attention: boo
     under an fp32 stream halves what attention reads (a step at 400 cached tokens reads 18 MB of
     fp32 keys and values on SmolLM2), at a rounding of its own: lossy against fp32 greedy, as
     ``scripts/bench_kernel_accuracy.py`` measures."""
-    if device.type == "cpu" and dtype == torch.bfloat16 and not kernels.onednn_bf16_available():
+    if device.type == "cpu" and dtype == torch.bfloat16 and not onednn.onednn_bf16_available():
         # attention (and so the cache) in fp32 where bf16 arithmetic is emulated (an AVX2-only CPU):
         # there the compiled step's bf16 SDPA for one row over ~330 slots took 352 us a layer, fp32 156-173
         return torch.float32

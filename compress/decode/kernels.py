@@ -12,36 +12,26 @@ and W4 weights (``native``: ``bf16-avx2``, ``int4-avx2``, ``int4-a16``), or W8A8
 evaluation do). On a GPU: the model's dtype, or tinygemm's CUDA int4 kernel
 (``_weight_int4pack_mm``, same dequantization, its own packing) for W4 groups.
 
-The integers come from the linear's ``quantized`` record: set by our passes in the same
-process, or read back from an export's packed tensors by ``attach_from_export``; a W8A8
-export loaded by transformers holds its scale and the weight (as int8, or unpacked to q · scale).
-``use_onednn`` speeds up transformers' own forward where a script runs it (every method runs on the engine).
+The integers come from the linear's ``QuantizedWeight``: left by our passes in the same process,
+or read back from an export (``formats.compressed_tensors.attach_integers``); a W8A8 export loaded
+by transformers holds its scale and the weight (as int8, or unpacked to q · scale). A ``Matmul``
+computes ``x @ Wᵀ + b`` for rows ``x`` in the engine's dtype.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-from pathlib import Path
 from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import machine
 from ..quant import QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
-from . import native
+from . import native, onednn
+from .onednn import prompt_product
 
 INT4_GROUPS = (32, 64, 128, 256)
-
-
-def int4_kernel_available(device: torch.device = torch.device("cpu")) -> bool:
-    """Whether torch has the int4 kernel for ``device``: the CPU one, or tinygemm on an Ampere or
-    newer GPU (bf16 tensor cores)."""
-    if device.type == "cuda":
-        return hasattr(torch.ops.aten, "_weight_int4pack_mm") and torch.cuda.get_device_capability(device)[0] >= 8
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 def w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -73,110 +63,6 @@ def w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None
     q = linear.weight.data if linear.weight.dtype == torch.int8 else torch.round(linear.weight.data / scale)
     return q.to(torch.int8), scale
 
-
-class OneDNNLinear(nn.Module):
-    """An fp32 CPU linear whose multi-row products run on oneDNN with the weight reordered once
-    into its blocked layout; single rows stay on MKL's matrix-vector product.
-
-    A few rows cost oneDNN's prepacked product far less than MKL's GEMM, and one row costs MKL's
-    GEMV less than oneDNN on small linears: cheap verify rows are what speculation on a CPU
-    lives on (measurements: docs/decoder.md, "What a verify row costs"). ``keep_dense`` False
-    drops the MKL copy (the lm_head: always oneDNN).
-    """
-
-    def __init__(self, linear: nn.Linear, keep_dense: bool = True):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach()))
-        self.weight = linear.weight if keep_dense else None
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        if flat.shape[0] == 1 and self.weight is not None:
-            y = torch.nn.functional.linear(flat, self.weight, self.bias)
-        else:
-            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
-        return y.reshape(*x.shape[:-1], self.out_features)
-
-
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-
-
-@functools.cache
-def onednn_bf16_available() -> bool:
-    """Whether oneDNN takes bf16 weights on this CPU: it needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT,
-    so an AVX2-only part (AMD Zen 1–3) runs bf16 through aten's ``F.linear`` instead."""
-    if not onednn_available():
-        return False
-    try:
-        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16))
-    except RuntimeError:
-        return False
-    return True
-
-
-@functools.cache
-def bf16_arithmetic() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN uses it: there a
-    prompt's bf16 GEMM is 2–3.5× faster than fp32's (300 rows on a Zen 4: 576→3072 in 3.0 ms
-    against 11.6 with the weights upcast); elsewhere bf16 is emulated and fp32 is faster (AVX2 EPYC:
-    7.7 ms against 59)."""
-    return machine.bf16_arithmetic() and onednn_bf16_available()
-
-
-def prompt_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """A prompt's rows (more than ``VERIFY_ROWS``) times bf16 (or fp32) ``weight``, in ``x``'s dtype:
-    a bf16 GEMM where the CPU computes bf16 in hardware (``bf16_arithmetic``: the rows are
-    rounded to bf16 first, as transformers' bf16 forward rounds them), else fp32's GEMM over an
-    upcast copy. Decode steps never come here, so a prompt's rounding moves no verify step."""
-    if bf16_arithmetic():
-        return F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16)).to(x.dtype)
-    return F.linear(x.float(), weight.float()).to(x.dtype)
-
-
-def use_onednn(model: nn.Module) -> int:
-    """Swap every plain fp32 CPU linear for a ``OneDNNLinear`` (in place); returns how many.
-    Decoding only: the swapped linears do not train."""
-    if not onednn_available():
-        return 0
-    output = model.get_output_embeddings()
-    swaps = [
-        (name, m)
-        for name, m in model.named_modules()
-        if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
-    ]
-    for name, linear in swaps:
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent), leaf, OneDNNLinear(linear, keep_dense=linear is not output))
-    return len(swaps)
-
-
-def attach_from_export(model: nn.Module, folder: str | Path) -> int:
-    """Record on each linear of ``model`` (loaded from ``folder``) the integers its export stores
-    in the compressed-tensors ``pack-quantized`` layout; returns how many linears got one."""
-    from ..formats.compressed_tensors import Reader
-    from ..formats.safetensors import Checkpoint
-
-    folder = Path(folder)
-    config = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
-    if config.get("format") != "pack-quantized":
-        return 0
-    layout, checkpoint = Reader(config), Checkpoint(folder)
-    names = layout.quantized_linears(checkpoint)
-    for name in names:
-        layout.integers(checkpoint, name).attach(model.get_submodule(name))
-    return len(names)
-
-
-# --- Weight formats for the decode engine -------------------------------------------------
-#
-# A ``Matmul`` holds one linear group's weights (q/k/v or gate/up fused by rows) in one format
-# and computes ``x @ Wᵀ + b`` for rows ``x`` in the engine's dtype. Which format is fastest for
-# a one-row product depends on the CPU (see ``choose``); which formats are allowed depends on
-# what the weights are: a format is offered only where it holds them exactly, unless a lossy
-# one is asked for (a W4 draft, a quantized lm_head).
 
 FORMATS = ("fp32", "fp32-onednn", "bf16", "bf16-avx2", "int8", "int4", "int4-avx2", "int4-a16", "int4-a8", "w8a8")
 FLOAT_FORMATS = ("fp32", "fp32-onednn", "bf16")  # compiled, these all become the compiler's own GEMM
@@ -316,7 +202,7 @@ class OneDNN(Matmul, formats=("fp32-onednn", "bf16")):
     @classmethod
     def from_linears(cls, fmt, linears, device, traceable):
         weight, bias = _stacked(linears, _weight), _bias(linears)
-        if fmt == "bf16" and not onednn_bf16_available():
+        if fmt == "bf16" and not onednn.onednn_bf16_available():
             return Dense(weight, bias, torch.bfloat16)
         return cls(weight, bias, torch.float32 if fmt == "fp32-onednn" else torch.bfloat16, traceable)
 
@@ -412,7 +298,7 @@ class NativeInt4(Matmul, formats=("int4-avx2",)):
             # in bf16 where the GEMM will be (``prompt_product``): the fp32 copy cost a 330-token prompt
             # ~10% on a Zen 4 (120 SmolLM2 products: 270 -> 243 ms; bf16 weights held: 218)
             weight = torch.ops.compress.int4_dequantize(
-                self.packed, self.scale, self.offset, self.group_size, bf16_arithmetic()
+                self.packed, self.scale, self.offset, self.group_size, onednn.bf16_arithmetic()
             )
             return prompt_product(x, weight)
         return torch.ops.compress.int4_matmul(x.contiguous(), self.packed, self.scale, self.offset, self.group_size)

@@ -12,11 +12,14 @@ integers back as a ``QuantizedWeight`` (for the decoder's integer kernels and fo
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import torch
 
 from ..quant import ActivationScheme, QuantizedWeight, QuantScheme
+from .safetensors import Checkpoint
 
 PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
 
@@ -161,3 +164,18 @@ class Reader:
             q = t["weight"]  # int-quantized (W8A8): int8 as it is
         zero = t.get("weight_zero_point", torch.zeros(scale.shape, dtype=torch.int8))
         return QuantizedWeight(ours, q.to(torch.int8), scale, zero.to(torch.int8))
+
+
+def attach_integers(model: torch.nn.Module, folder: str | Path) -> int:
+    """Attach to each linear of ``model`` (loaded from ``folder``, dequantized) the integers its export
+    stores in the ``pack-quantized`` layout, as the passes left them (the decoder's integer kernels
+    read them); returns how many linears got one."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    if config.get("format") != "pack-quantized":
+        return 0
+    layout, checkpoint = Reader(config), Checkpoint(folder)
+    names = layout.quantized_linears(checkpoint)
+    for name in names:
+        layout.integers(checkpoint, name).attach(model.get_submodule(name))
+    return len(names)
