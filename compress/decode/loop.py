@@ -8,12 +8,14 @@ et al. 2023), so the output distribution is the target's. The cache is then crop
 past the rejected candidates, and the target's distribution after the last kept token picks
 the next token (the "bonus" token): every target forward yields at least one token.
 
-The target is a *runner*: ``forward(ids, all_logits) -> logits`` appends ``ids`` to its KV
-cache and returns their logits (float32, one row per token), ``crop(n)`` forgets the last
-``n`` cached tokens, ``reset()`` empties the cache. ``engine.Engine`` is the fast one (our
-forward over a preallocated cache); ``HFRunner`` wraps a transformers model and its cache, for
-what the engine does not cover. A plain transformers model passed in is wrapped in an
-``HFRunner``. Proposers: ``propose(context, k) -> (tokens, draft probabilities or None)``.
+The target is a ``Runner`` (``forward``, ``crop``, ``reset``): ``engine.Engine`` is the fast one
+(our forward over a preallocated cache); ``HFRunner`` wraps a transformers model and its cache,
+for what the engine does not cover, and a plain transformers model passed in is wrapped in one.
+Candidates come from a ``Proposer`` (prompt lookup, a draft model, a layer subset). Lookahead
+and early exit run loops of their own (``lookahead.py``, ``early_exit.py``): lookahead verifies a
+tree of guesses in one step and keeps one branch (``keep``), which a linear propose–verify step
+cannot express; early exit changes how the target computes each token (a hook inside its
+forward), it proposes nothing.
 """
 
 from __future__ import annotations
@@ -24,9 +26,37 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
+
+
+class Runner(Protocol):
+    """A target the loop decodes with: a model and its KV cache (``engine.Engine``, ``HFRunner``)."""
+
+    device: torch.device
+
+    def forward(self, ids, all_logits: bool = True) -> torch.Tensor:
+        """Float32 logits of ``ids`` appended to the cache: one row per token (or the last only)."""
+        ...
+
+    def crop(self, n: int) -> None:
+        """Forget the last ``n`` cached tokens."""
+        ...
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        ...
+
+
+class Proposer(Protocol):
+    """What drafts candidates for ``speculate``: prompt lookup, a draft model, a layer subset."""
+
+    def propose(self, context: list[int], k: int) -> tuple[list[int], torch.Tensor | None]:
+        """Up to ``k`` tokens to follow ``context``, and the draft's probabilities for them (None:
+        a deterministic proposer, whose candidates sampling accepts by the target's alone)."""
+        ...
 
 
 class DecodeError(ValueError):
@@ -124,7 +154,13 @@ def runner_for(model, cache=None):
 
 
 @torch.no_grad()
-def greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos: set[int] = frozenset(), cache=None) -> DecodeResult:
+def greedy(
+    model: Runner | torch.nn.Module,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    eos: set[int] = frozenset(),
+    cache=None,
+) -> DecodeResult:
     """One token per forward, with the KV cache: the baseline every method is measured against."""
     runner, start = runner_for(model, cache), time.perf_counter()
     logits = runner.forward(prompt, all_logits=False)[-1]
@@ -179,10 +215,10 @@ def accept_sampled(
 
 @torch.no_grad()
 def speculate(
-    model,
+    model: Runner | torch.nn.Module,
     prompt: torch.Tensor,
     max_new_tokens: int,
-    proposer,
+    proposer: Proposer,
     k: int = 8,
     sampling: Sampling = Sampling(),
     eos: set[int] = frozenset(),
