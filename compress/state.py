@@ -38,6 +38,7 @@ class State:
     def __init_subclass__(cls, attr: str | None = None, **kwargs):
         super().__init_subclass__(**kwargs)
         if attr is not None:
+            # a class of the same name claiming it again is the same kind defined anew (a reloaded module)
             if attr in KINDS and KINDS[attr].__qualname__ != cls.__qualname__:
                 raise TypeError(f"two kinds of state claim the attribute {attr!r}: {KINDS[attr]} and {cls}")
             cls.attr = attr
