@@ -31,8 +31,8 @@ import torch
 
 from .. import machine
 from ..models import cache_dir
+from . import attention, kernels, native
 from . import cache as kv_cache
-from . import kernels, native
 from .loop import DecodeError
 
 SPAN_ALIGN = 64  # a compiled step attends over a multiple of this many cache slots (see ``run_compiled``)
@@ -106,7 +106,8 @@ def _fingerprint(engine) -> str:
         engine.config.to_json_string(),
     ]
     digest.update(repr(settings).encode())
-    for module in (sys.modules[type(engine).__module__], sys.modules[__name__], kv_cache, kernels):  # the graph's code
+    graph_code = (sys.modules[type(engine).__module__], sys.modules[__name__], attention, kv_cache, kernels)
+    for module in graph_code:  # a changed line of any of them makes a new package
         digest.update(Path(module.__file__).read_bytes())
     digest.update(native.SOURCE.read_bytes())  # the kernels it calls
     for t in _step_tensors(engine):
