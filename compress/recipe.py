@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .formats import gguf_file
 from .models import DEFAULT_MODEL
-from .passes import REGISTRY, LayerPass, PrunePass, RecipeError, WeightQuantPass
+from .passes import REGISTRY, LayerPass, RecipeError
 
 
 class _Strict(BaseModel):
@@ -143,19 +143,10 @@ def parse(text: str, name: str = "recipe") -> Recipe:
 
 
 def _check_gguf(passes: list[LayerPass], gguf_type: str) -> None:
-    """GGUF holds quantized and pruned linears: every quantizer must match the type's blocks, and
-    rounds its scales to float16 numbers, as the file stores them."""
+    """The GGUF file's rules for each pass (``gguf_file.adapt``), as errors naming the pass."""
     for p in passes:
-        if not isinstance(p, (WeightQuantPass, PrunePass)):
-            raise RecipeError(
-                f"{p.where}: export.format gguf holds quantized and pruned linears only; "
-                "drop this pass or export compressed-tensors"
-            )
-        spec = p.options if isinstance(p, WeightQuantPass) else getattr(p.options, "quantize", None)
-        if spec is not None:
-            if problem := gguf_file.scheme_problem(gguf_type, spec.bits, spec.group_size, spec.symmetric):
-                raise RecipeError(f"{p.where}: {problem}")
-        p.fp16_scales = True
+        if problem := gguf_file.adapt(p, gguf_type):
+            raise RecipeError(f"{p.where}: {problem}")
 
 
 def load(path: str | Path) -> Recipe:

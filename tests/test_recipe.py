@@ -73,3 +73,14 @@ def test_every_shipped_recipe_parses():
     assert len(names) > 20
     for name in names:
         assert load(RECIPES_DIR / f"{name}.yaml").passes, name
+
+
+def test_every_pass_declares_the_kinds_of_state_it_leaves():
+    """Formats refuse passes by their declared ``leaves`` (GGUF: quantized and pruned linears only)."""
+    from compress import export  # noqa: F401 - every kind of state registers on import
+    from compress.passes import REGISTRY
+    from compress.state import KINDS
+
+    for name, cls in REGISTRY.items():
+        assert cls.leaves <= set(KINDS), (name, cls.leaves - set(KINDS))
+    assert not REGISTRY["distill"].leaves and REGISTRY["gptq"].leaves == {"quantized"}

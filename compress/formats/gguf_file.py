@@ -80,6 +80,22 @@ def scheme_problem(gguf_type: str, bits: int, group_size, symmetric: bool) -> st
     return None
 
 
+STORES = frozenset({"quantized", "prune_mask"})  # the kinds of state a GGUF file holds (pruned: zeros)
+
+
+def adapt(p, gguf_type: str) -> str | None:
+    """Fit the recipe's pass ``p`` to a ``gguf_type`` file, or say why it cannot be: the file holds
+    quantized and pruned linears whose integers match the type's blocks, and stores scales as
+    float16, so the pass rounds its scales to float16 numbers (``QuantScheme.fp16_scales``)."""
+    if not p.compresses or not p.leaves or p.leaves - STORES:
+        return "export.format gguf holds quantized and pruned linears only; drop this pass or export compressed-tensors"
+    if (spec := p.rounding) is not None:
+        if problem := scheme_problem(gguf_type, spec.bits, spec.group_size, spec.symmetric):
+            return problem
+    p.fp16_scales = True
+    return None
+
+
 def family_problem(model_type: str | None) -> str | None:
     if model_type not in ARCHES:
         return f"GGUF export knows the families {', '.join(sorted(ARCHES))}; this model is {model_type!r}"

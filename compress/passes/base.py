@@ -44,6 +44,9 @@ class LayerPass:
     uses_hessian: ClassVar[bool] = False  # collects XᵀX per linear: the memory plan counts it
     needs_original: bool = False  # the pipeline keeps each block as it was before the passes
     needs_dense_inputs: bool = False  # the pipeline carries the dense model's inputs to each block too
+    # the kinds of state (``state.KINDS`` attributes) this pass may attach: a format that cannot
+    # store one of them refuses the pass when the recipe is read
+    leaves: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, options: PassOptions, where: str):
         self.options = options
@@ -53,6 +56,11 @@ class LayerPass:
     @property
     def weight_bits(self) -> int | None:
         """The bits of the integer weights this pass leaves (None: it rounds no weights)."""
+        return None
+
+    @property
+    def rounding(self):
+        """The integer scheme (``bits``, ``group_size``, ``symmetric``) this pass rounds weights to, or None."""
         return None
 
     def order_problem(self, before: list[LayerPass], after: list[LayerPass]) -> str | None:
@@ -202,7 +210,7 @@ class LinearPass(LayerPass):
 
     Options = LinearOptions
     dtype: torch.dtype
-    fp16_scales: bool = False  # set by a recipe that exports GGUF: ``QuantScheme.fp16_scales``
+    fp16_scales: bool = False  # set by a format whose scales are float16 (``gguf_file.adapt``)
 
     def targets(self, block: torch.nn.Module, prefix: str, starved: bool = False) -> dict[str, torch.nn.Linear]:
         """The block's linears this pass changes, minus ``ignore``. A pass that needs data leaves out the
@@ -240,11 +248,16 @@ class WeightQuantPass(LinearPass):
     """Weight quantizers: a ``QuantScheme`` checked against every targeted layer's width."""
 
     Options = WeightQuantOptions
+    leaves = frozenset({"quantized"})
     scheme: QuantScheme
 
     @property
     def weight_bits(self) -> int:
         return self.options.bits
+
+    @property
+    def rounding(self):
+        return self.options
 
     def check(self, model: torch.nn.Module) -> None:
         super().check(model)
@@ -273,6 +286,7 @@ class PrunePass(LinearPass):
     """Pruning passes: a sparsity ``Pattern``, checked against every targeted layer's width."""
 
     Options = PruneOptions
+    leaves = frozenset({"prune_mask"})
     pattern: Pattern
     skipped: frozenset[str] = frozenset()
 

@@ -30,6 +30,7 @@ class KVCacheOptions(PassOptions):
 
 class KVCachePass(LayerPass):
     name = "kv_cache"
+    leaves = frozenset({"kv_scheme"})
     Options = KVCacheOptions
     needs_data = False
     compresses = False  # the weights stay as they are

@@ -30,6 +30,7 @@ class LoRCOptions(LinearOptions):
 
 class LoRC(LinearPass):
     name = "lorc"
+    leaves = frozenset({"lora"})
     Options = LoRCOptions
     uses_hessian = True
     needs_original = True

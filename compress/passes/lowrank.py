@@ -47,6 +47,7 @@ class _MeanAbs:
 
 class LowRank(LinearPass):
     name = "lowrank"
+    leaves = frozenset({"factored"})
     Options = LowRankOptions
     uses_hessian = True
 

@@ -47,6 +47,7 @@ class QLoRAOptions(DistillOptions):
 
 class QLoRA(Distill):
     name = "qlora"
+    leaves = frozenset({"bnb_4bit", "lora", "quantized"})
     Options = QLoRAOptions
 
     @property

@@ -45,6 +45,7 @@ def smoothing_factors(x_max: torch.Tensor, weights: list[torch.Tensor], alpha: f
 
 class SmoothQuant(LinearPass):
     name = "smoothquant"
+    leaves = frozenset({"input_quant"})
     Options = SmoothQuantOptions
 
     def __init__(self, options, where):

@@ -28,11 +28,16 @@ class SparseGPT(PrunePass):
     name = "sparsegpt"
     Options = SparseGPTOptions
     uses_hessian = True
+    leaves = frozenset({"prune_mask", "quantized"})
     scheme = None
 
     @property
     def weight_bits(self) -> int | None:
         return self.options.quantize.bits if self.options.quantize is not None else None
+
+    @property
+    def rounding(self):
+        return self.options.quantize
 
     def check(self, model) -> None:
         super().check(model)
