@@ -7,6 +7,7 @@ import argparse
 import math
 import sys
 
+from .decode.methods import METHODS
 from .formats.gguf_file import TYPES as GGUF_TYPES
 from .models import DEFAULT_MODEL
 
@@ -130,7 +131,7 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True)
     p.add_argument(
         "--method",
-        choices=["greedy", "prompt-lookup", "draft", "self-spec", "lookahead", "early-exit"],
+        choices=list(METHODS),
         help="default: prompt-lookup. All but early-exit are lossless: greedy output, or the target's "
         "sampling distribution (lookahead on CUDA: not exact)",
     )

@@ -148,6 +148,7 @@ def _decode(args) -> None:
     from .data import tokenizer_fingerprint
     from .decode.datastore import Datastore
     from .decode.engine import Engine
+    from .decode.methods import METHODS, Settings
     from .formats.compressed_tensors import attach_integers
 
     device = _decode_device(args)
@@ -179,43 +180,36 @@ def _decode(args) -> None:
             "--lm-head argmax makes only the largest logit exact, so it decodes greedily; drop --temperature "
             "or use --lm-head exact to sample"
         )
+    method = METHODS[args.method]
+    settings = Settings(
+        eos=eos,
+        sampling=sampling,
+        k=args.k,
+        threshold=args.threshold,
+        token_cost=None if args.token_cost == "auto" else args.token_cost,
+        layers=args.layers,
+        window=args.window,
+        ngram=args.ngram,
+        guesses=args.guesses,
+        exit_threshold=args.exit_threshold,
+        exit_measure=args.exit_measure,
+        model=model,
+        tokenizer=tokenizer,
+        checkpoint=args.model,
+    )
+    if problem := method.problem(sampling.greedy, cache is not None, bool(args.draft), bool(args.datastore)):
+        raise decode.DecodeError(problem)
+    if args.datastore:
+        settings.store = Datastore.load(args.datastore, tokenizer_fingerprint(tokenizer))
     # every method runs on the engine (KIVI caches too); a lossy lm_head for the target only
     target = engine(model, lm_head=None if args.lm_head == "exact" else args.lm_head)
-    if args.method == "greedy":
-        if not sampling.greedy:
-            raise decode.DecodeError("--method greedy takes no --temperature; use prompt-lookup or draft to sample")
-        result = decode.greedy(target, prompt, args.max_new_tokens, eos)
-    elif args.method == "early-exit":
-        if not sampling.greedy or cache is not None:
-            raise decode.DecodeError("--method early-exit is greedy with a full-precision cache; drop --temperature")
-        result = _early_exit(args, model, target, tokenizer, prompt, eos)
-    elif args.method == "lookahead":
-        from .decode.lookahead import lookahead
-
-        result = lookahead(target, prompt, args.max_new_tokens, args.window, args.ngram, args.guesses, eos, sampling)
-    else:
-        draft = _draft(args, model, tokenizer, device, engine, sampling)
-        if args.method == "draft":
-            if draft is None:
-                raise decode.DecodeError("--method draft needs --draft MODEL (same tokenizer) or --draft self-w4")
-            proposer = draft
-        elif args.method == "self-spec":
-            proposer = decode.DraftModel(
-                decode.layer_subset(
-                    target, decode.choose_layers(target, tokenizer, args.model, args.layers, args.k, args.threshold)
-                ),
-                args.threshold,
-                sampling,
-            )
-        else:
-            cost = decode.default_token_cost(target) if args.token_cost == "auto" else args.token_cost
-            store = Datastore.load(args.datastore, tokenizer_fingerprint(tokenizer)) if args.datastore else None
-            proposer = decode.PromptLookup(token_cost=cost, store=store)
-            proposer = decode.LookupThenDraft(proposer, draft) if draft else proposer
-        result = decode.speculate(target, prompt, args.max_new_tokens, proposer, args.k, sampling, eos)
-        if args.datastore:
-            store.add(result.tokens)
-            store.save(args.datastore)
+    settings.draft = _draft(args, model, tokenizer, device, engine, sampling)
+    result = method.run(target, prompt, args.max_new_tokens, settings)
+    if "mean_layers" in result.extra:
+        print(f"[early exit: {result.extra['mean_layers']:.1f} layers per token]", file=sys.stderr)
+    if settings.store is not None:
+        settings.store.add(result.tokens)
+        settings.store.save(args.datastore)
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
     _print_speed(args, result, target, device)
 
@@ -224,11 +218,9 @@ def _decode_device(args):
     """The device, once the options that do not fit together or this machine are refused."""
     from . import decode, models
     from .decode import choice, native
+    from .decode.methods import DEFAULT
 
-    if args.datastore and args.method not in (None, "prompt-lookup"):
-        raise decode.DecodeError(f"--datastore is for --method prompt-lookup, not {args.method}")
-    if args.draft and args.method not in (None, "draft", "prompt-lookup"):
-        raise decode.DecodeError(f"--draft is for --method draft or prompt-lookup, not {args.method}")
+    args.method = args.method or DEFAULT
     device = models.pick_device(args.device)
     if args.kernel == "int4" and not choice.int4_kernel_available(device):
         raise decode.DecodeError(
@@ -241,7 +233,6 @@ def _decode_device(args):
             "x86 CPU with AVX2 and FMA, a C++ compiler, and COMPRESS_NATIVE unset); "
             "use --kernel auto"
         )
-    args.method = args.method or "prompt-lookup"
     if device.type == "cuda" and args.method == "lookahead":  # docs/results.md, the CUDA section
         print(
             "[decode: on CUDA, lookahead's tree steps run without CUDA graphs and round unlike them: slower than "
@@ -308,21 +299,6 @@ def _print_speed(args, result, target, device) -> None:
         f"target forward, on {device}, {where}]",
         file=sys.stderr,
     )
-
-
-def _early_exit(args, model, target, tokenizer, prompt, eos):
-    """Lossy: the threshold is calibrated (``auto``) on ``model`` for 90% top-1 agreement on
-    calibration text; ``target`` (the engine over its weights) decodes, eager (exits are per token)."""
-    from .arch import decoder_layers
-    from .decode import early_exit
-
-    exits = early_exit.default_exits(len(decoder_layers(model)))
-    threshold = args.exit_threshold
-    if threshold == "auto":
-        threshold = early_exit.calibrated_threshold(model, tokenizer, exits, args.exit_measure)
-    result = early_exit.early_exit_greedy(target, prompt, args.max_new_tokens, threshold, exits, args.exit_measure, eos)
-    print(f"[early exit: {result.extra['mean_layers']:.1f} layers per token]", file=sys.stderr)
-    return result
 
 
 def _report(args) -> None:

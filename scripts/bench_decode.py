@@ -47,19 +47,10 @@ from pathlib import Path
 import torch
 
 from compress import data, kv_quant, machine, models
-from compress.decode import (
-    DraftModel,
-    LookupThenDraft,
-    PromptLookup,
-    default_token_cost,
-    early_exit,
-    greedy,
-    native,
-    speculate,
-)
+from compress.decode import DraftModel, early_exit, greedy, native
 from compress.decode.engine import Engine
-from compress.decode.lookahead import lookahead
 from compress.decode.loop import sync
+from compress.decode.methods import METHODS, Settings
 from compress.formats.compressed_tensors import attach_integers
 
 OPEN = [
@@ -198,22 +189,19 @@ def main() -> None:
                 greedy(engines[key], sets_[next(iter(sets_))][0], 4)  # the first call compiles
         return engines[key]
 
-    def engine_row(model, method="greedy", **kw):
+    def engine_row(model, method="greedy", w4_draft=False, k=8, **kw):
+        """A row of ``methods.METHODS[method]`` on our engine (with a W4 copy of the model drafting)."""
+
         def setup():
             engine = shared_engine(model, **kw)
             print(f"  [{engine.describe()}; {engine.step_tokens}-token verify steps]", file=sys.stderr, flush=True)
-            cost = default_token_cost(engine)
-            w4_draft = Engine(model, quantize="w4", max_len=1024) if "draft" in method else None
-            draft = lambda: DraftModel(w4_draft, 0.4)  # noqa: E731
-            run = {
-                "greedy": lambda p: ours(greedy(engine, p, n, eos)),
-                "lookup": lambda p: ours(speculate(engine, p, n, PromptLookup(token_cost=cost), 10, eos=eos)),
-                "draft": lambda p: ours(speculate(engine, p, n, draft(), 6, eos=eos)),
-                "lookup+draft": lambda p: ours(
-                    speculate(engine, p, n, LookupThenDraft(PromptLookup(token_cost=cost), draft()), 8, eos=eos)
-                ),
-                "lookahead": lambda p: ours(lookahead(engine, p, n, 3, 3, 4, eos=eos)),
-            }[method]
+            drafter = Engine(model, quantize="w4", max_len=1024) if w4_draft else None
+            run_method = METHODS[method].run
+
+            def run(p):
+                draft = DraftModel(drafter, 0.4) if drafter is not None else None  # a fresh cache per prompt
+                return ours(run_method(engine, p, n, Settings(eos=eos, k=k, draft=draft, guesses=4)))
+
             compiled = engine.compile_seconds or ("failed: ran eager" if kw.get("compile") and not cuda else None)
             if compiled and engine.compiled is not None and engine.compiled.built is False:
                 compiled = f"{compiled:.0f} (loaded)"
@@ -266,26 +254,24 @@ def main() -> None:
     if args.w8a8:
         w8a8 = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)
         rows[f"ours W8A8 greedy ({Path(args.w8a8).name}), {plain}"] = engine_row(w8a8)
-    rows[f"ours prompt lookup, {plain}"] = engine_row(base, "lookup")
-    rows[f"ours W4 self-draft, {plain}"] = engine_row(base, "draft")
-    rows[f"ours W4 self-draft + prompt lookup, {plain}"] = engine_row(base, "lookup+draft")
+    lookup, w4_draft, both = dict(k=10), dict(w4_draft=True, k=6), dict(w4_draft=True, k=8)
+    rows[f"ours prompt lookup, {plain}"] = engine_row(base, "prompt-lookup", **lookup)
+    rows[f"ours W4 self-draft, {plain}"] = engine_row(base, "draft", **w4_draft)
+    rows[f"ours W4 self-draft + prompt lookup, {plain}"] = engine_row(base, "prompt-lookup", **both)
     if not cuda:  # speculation on the compiled target (the W4 draft stays eager)
-        rows["ours prompt lookup, compiled"] = engine_row(base, "lookup", compile=True)
-        rows["ours W4 self-draft + prompt lookup, compiled"] = engine_row(base, "lookup+draft", compile=True)
+        rows["ours prompt lookup, compiled"] = engine_row(base, "prompt-lookup", compile=True, **lookup)
+        rows["ours W4 self-draft + prompt lookup, compiled"] = engine_row(base, "prompt-lookup", compile=True, **both)
     rows[f"ours lookahead (W=3 N=3 G=4), {plain}"] = engine_row(base, "lookahead")
 
     def early_exit_row():
         from compress.arch import decoder_layers
 
         exits = early_exit.default_exits(len(decoder_layers(base)))
-        calibration, _ = data.calibration_batches(base, tokenizer, "wikitext2", 2, 256, seed=0)
-        threshold = early_exit.calibrate(base, calibration, exits, target=0.9)["threshold"]
+        threshold = early_exit.calibrated_threshold(base, tokenizer, exits, "softmax")
+        settings = Settings(eos=eos, exits=exits, exit_threshold=threshold)
         engine = shared_engine(base, graphs=False) if cuda else shared_engine(base)  # exits run eager
-        return (
-            (lambda p: ours(early_exit.early_exit_greedy(engine, p, n, threshold, exits, eos=eos))),
-            engine.weight_bytes(),
-            None,
-        )
+        run = METHODS["early-exit"].run
+        return (lambda p: ours(run(engine, p, n, settings))), engine.weight_bytes(), None
 
     rows["ours early exit (lossy), eager"] = early_exit_row
     if args.kivi:

@@ -244,3 +244,23 @@ def test_replay_runs_the_forwards_speculate_runs_and_the_oracle_sends_only_right
         assert (len(widths), sum(widths) - len(widths)) == (real.forwards - 1, real.proposed)
     oracle = replay(context, output, Oracle(output, len(context), any_match=False), 40, set())
     assert 1 + sum(oracle) == len(output)  # every guess it sends is right: each token comes from one forward slot
+
+
+def test_every_method_in_the_table_runs_on_the_engine_and_the_lossless_ones_reproduce_greedy():
+    """``methods.METHODS`` is what ``compress decode --method`` and ``bench_decode.py`` run."""
+    from compress.decode.engine import Engine
+    from compress.decode.methods import METHODS, Settings
+
+    model, prompt = tiny("llama"), _prompt()
+    target = Engine(model, max_len=128)
+    plain = greedy(target, prompt, 24).tokens
+    draft = DraftModel(Engine(copy.deepcopy(model), max_len=128), threshold=0.0)
+    settings = Settings(draft=draft, layers=[0], exits=[0], exit_threshold=0.5, model=model)
+    for name, method in METHODS.items():
+        settings.draft = draft if method.draft != "none" else None
+        tokens = method.run(target, prompt, 24, settings).tokens
+        assert len(tokens) == 24, name
+        if method.lossless:
+            assert tokens == plain, name
+    assert METHODS["greedy"].problem(greedy=False) and METHODS["draft"].problem(draft=False)
+    assert METHODS["early-exit"].problem(quantized_cache=True) and not METHODS["prompt-lookup"].problem(store=True)
