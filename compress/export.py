@@ -185,9 +185,10 @@ class Export:
             for n, m in module.named_modules()
             if skip is None or not (n == skip or n.startswith(skip + "."))
         }
-        quantized, rounded = {}, {}
+        quantized, rounded, states = {}, {}, {}
         for m, name in name_of.items():
-            for state in states_of(m):
+            states[name] = states_of(m)
+            for state in states[name]:
                 if (stored := state.stored_bits(m)) is not None:
                     self.totals.weight_bits += stored[0]
                     self.totals.quantized += stored[1]
@@ -230,6 +231,8 @@ class Export:
             if tensor.data_ptr() in seen:  # tied lm_head / embeddings
                 continue
             seen.add(tensor.data_ptr())
+            for state in states.get(owner, ()):
+                tensor = state.exported(leaf, tensor)
             self.shards.add(moe.renamed(key, renames), tensor)
 
     def _bitsandbytes_config(self, compressed_tensors: dict | None, dtype: torch.dtype) -> dict:

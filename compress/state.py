@@ -12,7 +12,8 @@ A kind says:
 - how it attaches (``attach``; ``of`` reads it back, ``drop`` removes it),
 - what it saves in a resume checkpoint (``saved``: tensors and JSON metadata), how it is
   rebuilt from them (``restore``) and which of the module's parameters that sets (``rebuilds``),
-- what it stores in an export (``stored_bits``), for the report's bits per weight.
+- what it stores in an export (``stored_bits``), for the report's bits per weight, and what it
+  folds into the module's dense tensors there (``exported``; by default nothing).
 Which tensors an on-disk format writes for it is the format's business (``compress/formats/``).
 """
 
@@ -72,6 +73,12 @@ class State:
     def rebuilds(self, module: torch.nn.Module) -> list[str]:
         """``module``'s parameters that ``restore`` sets again (a resume checkpoint need not keep them)."""
         return []
+
+    def exported(self, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The module's dense tensor ``leaf`` as an export writes it: the tensor itself, unless this
+        state changes how the module computes without changing its tensors (a hook) and must be
+        folded into them for the export to compute the same anywhere."""
+        return tensor
 
     def stored_bits(self, module: torch.nn.Module) -> tuple[float, int] | None:
         """(bits the export stores for ``module``'s weight, how many weights that is), or None
