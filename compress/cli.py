@@ -149,7 +149,7 @@ def _decode(args) -> None:
     from .decode.datastore import Datastore
     from .decode.engine import Engine
     from .decode.methods import METHODS, Settings
-    from .formats.compressed_tensors import attach_integers
+    from .formats.compressed_tensors import attach_integers, float_layout
 
     device = _decode_device(args)
     loaded = models.load(args.model, models.parse_dtype(args.dtype))
@@ -157,6 +157,8 @@ def _decode(args) -> None:
     prompt = _prompt_ids(args, tokenizer).to(device)
     if Path(args.model).is_dir():
         attach_integers(model, args.model)  # the export's integers, for the int4/int8 kernels
+        if layout := float_layout(args.model):
+            print(f"[decode: {layout} weights run dequantized: no kernel here reads float grids yet]", file=sys.stderr)
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
     sampling = decode.Sampling(args.temperature, args.top_p, args.seed)

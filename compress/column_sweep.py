@@ -18,13 +18,13 @@ by an earlier pruning pass is kept: those weights round to exactly zero.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
 from . import distributed, moe
 from .hessian import Hessian, dead_columns, inverse_cholesky
-from .quant import QuantizedWeight, QuantScheme, compute_qparams
+from .quant import QuantizedWeight, QuantScheme, compute_qparams, global_scale_of, to_grid
 from .sparsity import Pattern, nm_mask, select_mask
 
 
@@ -55,15 +55,19 @@ def obs_sweep(
     interact, except through an unstructured mask, chosen across rows: that sweep runs whole).
     """
 
+    # NVFP4's global scale is the whole weight's (all of a fused group's rows), whichever rows a rank sweeps
+    global_scale = global_scale_of(weight) if scheme is not None and scheme.format == "nvfp4" else None
+
     def rows(r: range):
         part = slice(r.start, r.stop)
-        out = _sweep(weight[part], H, name, scheme, prune, None if mask is None else mask[part], **options)
+        m = None if mask is None else mask[part]
+        out = _sweep(weight[part], H, name, scheme, prune, m, global_scale=global_scale, **options)
         q = out.quantized
         return (out.weight, out.mask) + (() if q is None else (q.q, q.scale, q.zero_point))
 
     split = prune is None or prune.structured
     w, m, *q = distributed.by_rows(rows, weight.shape[0], split)
-    return SweepResult(w, m, QuantizedWeight(scheme, *q) if q else None)
+    return SweepResult(w, m, QuantizedWeight(scheme, *q, global_scale) if q else None)
 
 
 @torch.no_grad()
@@ -88,6 +92,7 @@ def _sweep(
     actorder: bool = False,
     asymmetry: torch.Tensor | None = None,
     alpha: float = 0.25,
+    global_scale: torch.Tensor | None = None,
 ) -> SweepResult:
     W = weight.float().clone()
     rows, cols = W.shape
@@ -96,14 +101,13 @@ def _sweep(
     mask = torch.zeros_like(W, dtype=torch.bool) if mask is None else mask.clone()
     if scheme is not None:
         gs = cols if scheme.group_size == -1 else scheme.group_size
-        column_scheme = replace(scheme, group_size=-1)
         static = actorder or scheme.group_size == -1
         if static:  # every group's scale from the weights before any update
-            scale, zero = compute_qparams(W.masked_fill(mask, 0), scheme, dtype)
+            scale, zero = compute_qparams(W.masked_fill(mask, 0), scheme, dtype, global_scale)
         else:  # each group's scale from its weights as updated so far (the paper's default)
             scale = torch.empty(rows, cols // gs, device=W.device)
             zero = torch.empty_like(scale)
-        Q = torch.empty(rows, cols, dtype=torch.int8, device=W.device)
+        Q = torch.empty(rows, cols, dtype=scheme.q_dtype, device=W.device)
 
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else torch.arange(cols, device=W.device)
     W, H, mask = W[:, perm], H[perm][:, perm], mask[:, perm]
@@ -129,11 +133,12 @@ def _sweep(
             if scheme is not None:
                 g = group[c]
                 if not static and c % gs == 0:
-                    s, z = compute_qparams(W1[:, i : i + gs].masked_fill(M1[:, i : i + gs], 0), column_scheme, dtype)
+                    block = W1[:, i : i + gs].masked_fill(M1[:, i : i + gs], 0)
+                    s, z = compute_qparams(block, scheme, dtype, global_scale)  # one group: gs columns
                     scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
-                qi = torch.clamp(torch.round(q / scale[:, g]) + zero[:, g], scheme.qmin, scheme.qmax)
+                qi = to_grid(q / scale[:, g], zero[:, g], scheme)
                 qi = torch.where(M1[:, i], zero[:, g], qi)  # pruned: the zero-point, which dequantizes to 0
-                Q[:, c] = qi.to(torch.int8)
+                Q[:, c] = qi.to(scheme.q_dtype)
                 q = (qi - zero[:, g]) * scale[:, g]
             err = (w - q) / U1[i, i]
             if P is not None:
@@ -150,7 +155,8 @@ def _sweep(
     inverse = torch.argsort(perm)
     quantized = None
     if scheme is not None:
-        quantized = QuantizedWeight(scheme, Q[:, inverse], scale.to(dtype), zero.to(torch.int8))
+        scale = scale.to(scheme.scale_dtype(dtype))
+        quantized = QuantizedWeight(scheme, Q[:, inverse], scale, zero.to(torch.int8), global_scale)
     return SweepResult(W[:, inverse], mask[:, inverse], quantized)
 
 

@@ -152,7 +152,9 @@ class Export:
         self.linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None] = {}
         self.loras: dict[str, LoRA] = {}
         self.rounded_4bit: dict[str, str] = {}  # linears in bitsandbytes' 4-bit layout -> nf4 / fp4
-        self.format: str | None = None  # pack-quantized, or int-quantized once a linear has int8 inputs
+        # compressed-tensors' format, from the first quantized linear: pack-quantized, int-quantized
+        # (W8A8), or a float one
+        self.format: str | None = None
         self.totals = Totals()
 
     def _tensors_of(
@@ -162,9 +164,18 @@ class Export:
         (every block goes through the same passes): ``int-quantized`` when any of its linears has
         int8 inputs (W8A8), and then every quantized linear is stored as int8, as before streaming."""
         if self.format is None:
-            w8a8 = any(input_quant_of(m) is not None for m in module.modules())
-            self.format = "int-quantized" if w8a8 else "pack-quantized"
+            w8a8 = any((act := input_quant_of(m)) is not None and act.format == "int" for m in module.modules())
+            self.format = compressed_tensors.export_format(qw.scheme, w8a8)
+        if compressed_tensors.export_format(qw.scheme, self.format == "int-quantized") != self.format:
+            raise ExportError(
+                f"{name} is {qw.scheme.describe()} but an earlier linear is stored as {self.format}; "
+                "an export holds one weight format"
+            )
         act = input_quant_of(linear)
+        if act is not None and act.format == "fp8" and qw.scheme.format != "fp8":
+            raise ExportError(f"{name} has FP8 activations but {qw.scheme.describe()} weights; FP8 needs FP8 weights")
+        if act is not None and act.format == "fp8":
+            return compressed_tensors.tensors(name, qw, self.format)
         if act is not None and qw.scheme.bits != 8:
             raise ExportError(
                 f"{name} has int8 activations but {qw.scheme.describe()} weights; "
@@ -200,7 +211,8 @@ class Export:
                 self.linears[name] = None if qw is None else (qw.scheme, input_quant_of(m))
                 if qw is None and input_quant_of(m) is not None:
                     raise ExportError(
-                        f"{name} has int8 activations but dense weights; W8A8 needs 8-bit weights on the same linears"
+                        f"{name} has quantized activations but dense weights; give its weights the same "
+                        "quantization (the same ignore list)"
                     )
                 if qw is not None:
                     quantized[name] = (m, qw)

@@ -196,7 +196,7 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
                 continue
             streamed.read(sub, name, recurse=False)
     model.tie_weights()
-    if quantized is not None and quantized.format == "int-quantized":
+    if quantized is not None and quantized.format in ("int-quantized", "float-quantized"):
         _quantize_inputs(model, quantized)
     if (kv := getattr(config, kv_quant.CONFIG_KEY, None)) is not None:
         kv_quant.install(model, {k: v for k, v in kv.items() if k != "method"})
@@ -207,9 +207,10 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
 
 
 def _quantize_inputs(model: torch.nn.Module, quantized: compressed_tensors.Reader) -> None:
-    """W8A8 exports: their linears see int8 inputs, as our evaluation simulated them before export."""
+    """W8A8 and FP8 exports: their linears see int8 or FP8 inputs, as our evaluation simulated them before export."""
     for name, module in model.named_modules():
         scheme = quantized.scheme_of(name, module)
         if scheme is not None and scheme.input_activations is not None:
             act = scheme.input_activations
-            ActivationScheme(act.num_bits, per_token=act.strategy == "token").attach(module)
+            fmt = "fp8" if act.type == "float" else "int"
+            ActivationScheme(act.num_bits, per_token=act.strategy == "token", format=fmt).attach(module)

@@ -3,6 +3,13 @@
 Integers use the signed range of compressed-tensors (4 bits: -8..7) and
 ``w ≈ (q - zero_point) * scale``, so what a pass computes is exactly what the
 exported checkpoint dequantizes to. No pass rounds weights by itself.
+
+Float formats put ``q`` on a float grid instead (``w ≈ q * scale``, symmetric), as GPU servers
+run them: ``fp8`` (E4M3 values, a scale per output channel in the storage dtype), ``nvfp4``
+(E2M1 values; a scale per 16 weights stored as FP8 E4M3 under one float32 global scale per
+tensor, ``scale = fp8 / global``) and ``mxfp4`` (E2M1 values, a power-of-two scale per 32
+weights). Each scale is rounded to what the format stores *before* any weight is rounded with
+it, so GPTQ's sweep and every search see the weights the export holds.
 """
 
 from __future__ import annotations
@@ -15,6 +22,10 @@ import torch
 from .state import State
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+# format -> (bits, group size it fixes (None: any), largest grid value)
+FORMATS = {"int": (None, None, None), "fp8": (8, -1, 448.0), "nvfp4": (4, 16, 6.0), "mxfp4": (4, 32, 6.0)}
+FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1's magnitudes
+FP8_MAX = 448.0  # E4M3's largest value
 AUTO_GROUP_SIZES = (128, 64, 32)
 OBSERVERS = ("minmax", "mse")
 MSE_SHRINKS = [1 - i / 100 for i in range(21)]  # llm-compressor's grid (100 steps, at most 20% shrink)
@@ -38,6 +49,7 @@ class QuantScheme:
     # reference code, llm-compressor's and GPTQModel's "mse" observer): clipping a few outliers
     # buys finer steps for the rest
     observer: str = "minmax"
+    format: str = "int"  # or a float grid: "fp8", "nvfp4", "mxfp4" (module docstring)
 
     def __post_init__(self):
         if self.bits not in SUPPORTED_BITS:
@@ -46,14 +58,38 @@ class QuantScheme:
             raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
         if self.observer not in OBSERVERS:
             raise ValueError(f"observer must be one of {OBSERVERS}, got {self.observer!r}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format must be one of {tuple(FORMATS)}, got {self.format!r}")
+        bits, group, _ = FORMATS[self.format]
+        if self.is_float and (self.bits, self.group_size, self.symmetric) != (bits, group, True):
+            raise ValueError(f"{self.format} is {bits}-bit symmetric with group size {group}")
 
     @property
-    def qmin(self) -> int:
-        return -(2 ** (self.bits - 1))
+    def is_float(self) -> bool:
+        return self.format != "int"
 
     @property
-    def qmax(self) -> int:
-        return 2 ** (self.bits - 1) - 1
+    def qmin(self) -> float:
+        return -FORMATS[self.format][2] if self.is_float else -(2 ** (self.bits - 1))
+
+    @property
+    def qmax(self) -> float:
+        return FORMATS[self.format][2] if self.is_float else 2 ** (self.bits - 1) - 1
+
+    @property
+    def q_dtype(self) -> torch.dtype:
+        """What ``QuantizedWeight.q`` holds: int8 integers, or float grid values (E2M1's are E4M3 numbers too)."""
+        return torch.float8_e4m3fn if self.is_float else torch.int8
+
+    def scale_dtype(self, storage: torch.dtype) -> torch.dtype:
+        """The dtype of ``QuantizedWeight.scale``: the storage dtype, or float32 where the stored scale
+        (FP8 over a global scale, a power of two) is exact in float32 only."""
+        return torch.float32 if self.format in ("nvfp4", "mxfp4") else storage
+
+    @property
+    def stored_scale_bits(self) -> int | None:
+        """Bits the format stores per scale (None: the storage dtype's)."""
+        return 8 if self.format in ("nvfp4", "mxfp4") else None
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else in_features // self.group_size
@@ -72,7 +108,10 @@ class QuantScheme:
 
     def describe(self) -> str:
         g = "channel" if self.group_size == -1 else f"g{self.group_size}"
-        return f"W{self.bits} {g} {'sym' if self.symmetric else 'asym'}" + (" mse" if self.observer == "mse" else "")
+        mse = " mse" if self.observer == "mse" else ""
+        if self.is_float:
+            return f"{self.format.upper()} {g}{mse}"
+        return f"W{self.bits} {g} {'sym' if self.symmetric else 'asym'}{mse}"
 
 
 @dataclass
@@ -80,20 +119,25 @@ class QuantizedWeight(State, attr="quantized"):
     """The integer form of a linear's weight, kept on the module for export (``attach``)."""
 
     scheme: QuantScheme
-    q: torch.Tensor  # int8, same shape as the weight
-    scale: torch.Tensor  # (out, groups), in the storage dtype (what the export writes)
+    q: torch.Tensor  # same shape as the weight: int8 integers, or float grid values (``QuantScheme.q_dtype``)
+    scale: torch.Tensor  # (out, groups), in ``scheme.scale_dtype(storage dtype)`` (what the export writes)
     zero_point: torch.Tensor  # (out, groups), int8; zeros when symmetric
+    global_scale: torch.Tensor | None = None  # nvfp4: the tensor's float32 global scale (``scale`` is fp8 / it)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight these integers stand for, in the storage dtype (the scale's)."""
+        """The weight these integers stand for, in the scale's dtype (the storage dtype, or float32)."""
         return dequantize(self.q, self.scale, self.zero_point, self.scale.dtype)
 
     def saved(self):
-        return {"q": self.q, "scale": self.scale, "zero_point": self.zero_point}, asdict(self.scheme)
+        tensors = {"q": self.q, "scale": self.scale, "zero_point": self.zero_point}
+        if self.global_scale is not None:
+            tensors["global_scale"] = self.global_scale
+        return tensors, asdict(self.scheme)
 
     @classmethod
     def restored(cls, tensors, meta):
-        return cls(QuantScheme(**meta), tensors["q"], tensors["scale"], tensors["zero_point"])
+        scheme = QuantScheme(**meta)
+        return cls(scheme, tensors["q"], tensors["scale"], tensors["zero_point"], tensors.get("global_scale"))
 
     @classmethod
     def restore(cls, block, name, tensors, meta) -> None:
@@ -104,7 +148,8 @@ class QuantizedWeight(State, attr="quantized"):
 
     def stored_bits(self, module):
         n = self.q.numel()
-        return self.scheme.bits_per_weight(self.q.shape[1], 8 * self.scale.element_size()) * n, n
+        scale_bits = self.scheme.stored_scale_bits or 8 * self.scale.element_size()
+        return self.scheme.bits_per_weight(self.q.shape[1], scale_bits) * n, n
 
 
 def resolve_group_size(group_size: int | str, in_features: list[int]) -> int:
@@ -117,24 +162,35 @@ def resolve_group_size(group_size: int | str, in_features: list[int]) -> int:
     return int(group_size)
 
 
-def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype):
+def global_scale_of(w: torch.Tensor) -> torch.Tensor:
+    """NVFP4's float32 global scale for ``w``: its largest group scale (max |w| / 6) maps to FP8's
+    largest value, so the FP8 group scales use their whole range (compressed-tensors' convention,
+    ``scale = fp8 / global``)."""
+    return (FP8_MAX * FORMATS["nvfp4"][2] / w.detach().float().abs().amax().clamp(min=1e-12)).reshape(1)
+
+
+def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, global_scale=None):
     """Scale and zero-point per group of ``w`` (out, in) -> (out, groups) each, from the group's
     range: its min and max, or with ``scheme.observer == "mse"`` the shrunk range that rounds best.
 
-    The scale is rounded to ``dtype`` (the storage dtype) here, so quantizing with
-    it gives the integers that the exported checkpoint will dequantize.
+    The scale is rounded to ``dtype`` (the storage dtype), or to what a float format stores, here,
+    so quantizing with it gives the values that the exported checkpoint will dequantize. NVFP4's
+    scales sit under ``global_scale`` (default: ``global_scale_of(w)``; a sweep over a slice of
+    the weight passes the whole weight's).
     """
+    if scheme.format == "nvfp4" and global_scale is None:
+        global_scale = global_scale_of(w)
     out_features, in_features = w.shape
     groups = scheme.groups(in_features)
     wg = w.float().reshape(out_features, groups, -1)
     wmin = wg.amin(-1).clamp(max=0)
     wmax = wg.amax(-1).clamp(min=0)
     if scheme.observer == "minmax":
-        return _range_qparams(wmin, wmax, scheme, dtype)
+        return _range_qparams(wmin, wmax, scheme, dtype, global_scale)
     w = w.float()
     best_error = best_scale = best_zero = None
     for shrink in MSE_SHRINKS:
-        scale, zero = _range_qparams(wmin * shrink, wmax * shrink, scheme, dtype)
+        scale, zero = _range_qparams(wmin * shrink, wmax * shrink, scheme, dtype, global_scale)
         rounded = dequantize(quantize(w, scale, zero, scheme), scale, zero, torch.float32)
         error = (rounded - w).reshape(wg.shape).abs().pow(MSE_NORM).sum(-1)
         if best_error is None:
@@ -146,8 +202,10 @@ def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype):
     return best_scale, best_zero
 
 
-def _range_qparams(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype):
-    """Scale and zero-point that map [wmin, wmax] (wmin <= 0 <= wmax) onto the integer grid."""
+def _range_qparams(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, global_scale=None):
+    """Scale and zero-point that map [wmin, wmax] (wmin <= 0 <= wmax) onto the grid."""
+    if scheme.is_float:
+        return _float_scale(torch.maximum(wmax, -wmin), scheme, dtype, global_scale), torch.zeros_like(wmax)
     if scheme.symmetric:
         scale = torch.maximum(wmax, -wmin) / ((scheme.qmax - scheme.qmin) / 2)
     else:
@@ -162,6 +220,29 @@ def _range_qparams(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme, 
     return scale, zero
 
 
+def _float_scale(amax: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, global_scale) -> torch.Tensor:
+    """The scale that maps ``amax`` to the grid's largest value, as the format stores it (float32)."""
+    scale = amax.float() / scheme.qmax
+    if scheme.format == "nvfp4":  # an FP8 E4M3 number (2^-9 its smallest) over the global scale
+        fp8 = (scale * global_scale).clamp(min=2.0**-9, max=FP8_MAX).to(torch.float8_e4m3fn)
+        return fp8.float() / global_scale
+    if scheme.format == "mxfp4":  # E8M0: the power of two that leaves no weight beyond the grid
+        return torch.exp2(torch.ceil(torch.log2(scale.clamp(min=2.0**-126))).clamp(-126, 127))
+    return scale.clamp(min=1e-8).to(dtype).float()
+
+
+def to_grid(x: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """``x`` (weights over their scale, float32) rounded onto the scheme's grid: integers plus the
+    zero-point, or the nearest float value (FP8 E4M3 by round-to-nearest-even, E2M1 by nearest)."""
+    if not scheme.is_float:
+        return (torch.round(x) + zero).clamp(scheme.qmin, scheme.qmax)
+    if scheme.bits == 8:
+        return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    values = FP4_VALUES.to(x.device)
+    index = torch.bucketize(x.abs().clamp(max=values[-1]), (values[1:] + values[:-1]) / 2)
+    return values[index] * torch.sign(x)
+
+
 def round_significand(x: torch.Tensor, bits: int) -> torch.Tensor:
     """``x`` (positive) rounded to ``bits`` significant bits within float16's normal range: a
     float16 number, whose products with integers of up to 11 - ``bits`` bits are float16 too."""
@@ -174,8 +255,8 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: Q
     """Integers (int8) for ``w`` given per-group ``scale``/``zero`` of shape (out, groups)."""
     out_features, in_features = w.shape
     wg = w.float().reshape(out_features, scale.shape[1], -1)
-    q = torch.round(wg / scale.float().unsqueeze(-1)) + zero.float().unsqueeze(-1)
-    return q.clamp(scheme.qmin, scheme.qmax).reshape(out_features, in_features).to(torch.int8)
+    q = to_grid(wg / scale.float().unsqueeze(-1), zero.float().unsqueeze(-1), scheme)
+    return q.reshape(out_features, in_features).to(scheme.q_dtype)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -184,11 +265,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: 
     return (qg * scale.float().unsqueeze(-1)).reshape(out_features, in_features).to(dtype)
 
 
-def quantize_weight(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype) -> QuantizedWeight:
+def quantize_weight(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, global_scale=None) -> QuantizedWeight:
     """Round-to-nearest with min/max qparams: the baseline every method is compared to."""
-    scale, zero = compute_qparams(w, scheme, dtype)
+    if scheme.format == "nvfp4" and global_scale is None:
+        global_scale = global_scale_of(w)
+    scale, zero = compute_qparams(w, scheme, dtype, global_scale)
     q = quantize(w, scale, zero, scheme)
-    return QuantizedWeight(scheme, q, scale.to(dtype), zero.to(torch.int8))
+    return QuantizedWeight(scheme, q, scale.to(scheme.scale_dtype(dtype)), zero.to(torch.int8), global_scale)
 
 
 def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
@@ -213,16 +296,18 @@ def quantized_of(linear: torch.nn.Module) -> QuantizedWeight | None:
 
 @dataclass(frozen=True)
 class ActivationScheme(State, attr="input_quant"):
-    """Dynamic symmetric integer activations: a scale per token (row), or one per tensor. Attached
-    to a linear, it makes the linear see its input as the integer kernel would (a pre-hook)."""
+    """Dynamic symmetric activations, integers or FP8 E4M3 (``format``): a scale per token (row), or
+    one per tensor. Attached to a linear, it makes the linear see its input as the kernel would (a pre-hook)."""
 
     bits: int = 8
     per_token: bool = True
+    format: str = "int"  # or "fp8"
 
     holds_tensors: ClassVar[bool] = False
 
     def describe(self) -> str:
-        return f"A{self.bits} {'per-token' if self.per_token else 'per-tensor'} dynamic"
+        kind = "FP8 " if self.format == "fp8" else ""
+        return f"A{self.bits} {kind}{'per-token' if self.per_token else 'per-tensor'} dynamic"
 
     def attach(self, module: torch.nn.Module) -> None:
         if ActivationScheme.of(module) is None:
@@ -238,10 +323,13 @@ class ActivationScheme(State, attr="input_quant"):
 
 
 def fake_quantize_activation(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
-    """What an int8 matmul would see of ``x``: rounded with a scale from its current max |x|
-    (the compressed-tensors convention: ``scale = max|x| / ((2^b - 1) / 2)``)."""
-    qmax = 2 ** (scheme.bits - 1) - 1
+    """What an int8 (or FP8) matmul would see of ``x``: rounded with a scale from its current max |x|
+    (the compressed-tensors convention: ``scale = max|x| / ((2^b - 1) / 2)``; FP8: ``max|x| / 448``)."""
     amax = x.abs().amax(-1, keepdim=True) if scheme.per_token else x.abs().amax()
+    if scheme.format == "fp8":
+        scale = (amax.float() / FP8_MAX).clamp(min=1e-12)
+        return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+    qmax = 2 ** (scheme.bits - 1) - 1
     scale = (amax.float() / ((2**scheme.bits - 1) / 2)).clamp(min=1e-8)
     return (torch.round(x.float() / scale).clamp(-qmax - 1, qmax) * scale).to(x.dtype)
 

@@ -90,7 +90,8 @@ def apply_mask(linear: torch.nn.Linear, mask: torch.Tensor) -> None:
     qw = quantized_of(linear)
     if qw is not None:
         zero = qw.zero_point.repeat_interleave(qw.q.shape[1] // qw.zero_point.shape[1], dim=1)
-        attach(linear, QuantizedWeight(qw.scheme, torch.where(mask, zero, qw.q), qw.scale, qw.zero_point))
+        q = torch.where(mask, zero.float(), qw.q.float()).to(qw.q.dtype)
+        attach(linear, QuantizedWeight(qw.scheme, q, qw.scale, qw.zero_point, qw.global_scale))
     previous = prune_mask_of(linear)
     PruneMask(mask if previous is None else previous | mask).attach(linear)
 

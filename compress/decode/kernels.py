@@ -41,14 +41,16 @@ def w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None
         return None
     qw, act = quantized_of(linear), input_quant_of(linear)
     if qw is not None and act is not None:
-        ok = qw.scheme.bits == 8 and qw.scheme.symmetric and qw.scale.shape[1] == 1 and act.bits == 8 and act.per_token
+        ok = qw.scheme.format == act.format == "int" and qw.scheme.bits == 8 and qw.scheme.symmetric
+        ok = ok and qw.scale.shape[1] == 1 and act.bits == 8 and act.per_token
         return (qw.q, qw.scale) if ok else None
     scheme = getattr(linear, "quantization_scheme", None)
     if scheme is None or scheme.input_activations is None or not hasattr(linear, "weight_scale"):
         return None
     w, a = scheme.weights, scheme.input_activations
     ok = (
-        w.num_bits == 8
+        w.type == a.type == "int"
+        and w.num_bits == 8
         and w.symmetric
         and str(w.strategy).endswith("channel")
         and a.num_bits == 8

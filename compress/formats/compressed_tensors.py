@@ -1,9 +1,14 @@
-"""compressed-tensors, the layout transformers and vLLM load: integer weights and input schemes.
+"""compressed-tensors, the layout transformers and vLLM load: integer and float weights, input schemes.
 
 Written: a quantized linear becomes ``weight_packed`` (int32, packed by compressed-tensors),
 ``weight_scale``, ``weight_shape`` and, when asymmetric, a packed ``weight_zero_point``
 (``pack-quantized``), or its int8 weight as it is when the export has int8 inputs
-(``int-quantized``, W8A8); config.json gets the ``quantization_config`` that names the schemes.
+(``int-quantized``, W8A8). Float grids are written in the layouts compressed-tensors' own
+compressors read: FP8 as an E4M3 ``weight`` and its ``weight_scale`` (``float-quantized``), NVFP4
+as two E2M1 codes per byte (``weight_packed``), FP8 ``weight_scale`` and float32
+``weight_global_scale`` (``nvfp4-pack-quantized``), MXFP4 likewise with E8M0 exponents as its
+``weight_scale`` (``mxfp4-pack-quantized``). config.json gets the ``quantization_config`` that
+names the schemes.
 
 Read: ``Reader`` is the one reader of those tensors. ``weight`` dequantizes a linear with
 compressed-tensors' own code (what transformers computes with); ``integers`` gives the stored
@@ -21,19 +26,35 @@ import torch
 from ..quant import ActivationScheme, QuantizedWeight, QuantScheme
 from .safetensors import Checkpoint
 
-PARTS = ("weight", "weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+PARTS = ("weight", "weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_shape")
+# a weight format -> the export's compressed-tensors format (integers: pack-quantized, or int-quantized for W8A8)
+FLOAT_FORMATS = {"fp8": "float-quantized", "nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+
+
+def export_format(scheme: QuantScheme, int8_inputs: bool) -> str:
+    """The compressed-tensors format that stores weights of ``scheme``."""
+    if scheme.is_float:
+        return FLOAT_FORMATS[scheme.format]
+    return "int-quantized" if int8_inputs else "pack-quantized"
 
 
 def weight_args(scheme: QuantScheme):
-    """compressed-tensors' description of our integer weights."""
+    """compressed-tensors' description of our weights (as its presets ``FP8_DYNAMIC``'s weights,
+    ``NVFP4A16``, ``MXFP4A16`` describe the float ones)."""
     from compressed_tensors.quantization import QuantizationArgs
 
+    if scheme.format == "nvfp4":
+        extra = dict(strategy="tensor_group", scale_dtype=torch.float8_e4m3fn, zp_dtype=torch.float8_e4m3fn)
+    elif scheme.format == "mxfp4":
+        extra = dict(strategy="group", scale_dtype=torch.uint8, zp_dtype=torch.uint8)
+    else:
+        extra = dict(strategy="channel" if scheme.group_size == -1 else "group")
     return QuantizationArgs(
         num_bits=scheme.bits,
-        type="int",
+        type="float" if scheme.is_float else "int",
         symmetric=scheme.symmetric,
-        strategy="channel" if scheme.group_size == -1 else "group",
         group_size=None if scheme.group_size == -1 else scheme.group_size,
+        **extra,
     )
 
 
@@ -42,7 +63,7 @@ def _activation_args(scheme: ActivationScheme):
 
     return QuantizationArgs(
         num_bits=scheme.bits,
-        type="int",
+        type="float" if scheme.format == "fp8" else "int",
         symmetric=True,
         dynamic=True,
         strategy="token" if scheme.per_token else "tensor",
@@ -54,6 +75,8 @@ def tensors(name: str, qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]
     keeps the int8 weight as it is, the layout int8 kernels read; ``pack-quantized`` packs them."""
     from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
 
+    if qw.scheme.is_float:
+        return _float_tensors(name, qw)
     if fmt == "int-quantized":
         out = {f"{name}.weight": qw.q, f"{name}.weight_scale": qw.scale}
         if not qw.scheme.symmetric:
@@ -66,6 +89,20 @@ def tensors(name: str, qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]
     }
     if not qw.scheme.symmetric:
         out[f"{name}.weight_zero_point"] = pack_to_int32(qw.zero_point, qw.scheme.bits, packed_dim=0)
+    return out
+
+
+def _float_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
+    from compressed_tensors.compressors.nvfp4.helpers import pack_fp4_to_uint8
+
+    if qw.scheme.format == "fp8":
+        return {f"{name}.weight": qw.q, f"{name}.weight_scale": qw.scale}
+    out = {f"{name}.weight_packed": pack_fp4_to_uint8(qw.q.float())}
+    if qw.scheme.format == "nvfp4":  # scale = fp8 / global, so fp8 = scale * global (exact: it was fp8 / global)
+        out[f"{name}.weight_scale"] = (qw.scale * qw.global_scale).to(torch.float8_e4m3fn)
+        out[f"{name}.weight_global_scale"] = qw.global_scale.float()
+    else:  # E8M0: the power of two's exponent plus 127
+        out[f"{name}.weight_scale"] = (torch.log2(qw.scale).round() + 127).to(torch.uint8)
     return out
 
 
@@ -151,6 +188,8 @@ class Reader:
         if scheme is None:
             raise ValueError(f"{name}: the export's quantization_config names no scheme for it")
         w = scheme.weights
+        if w.type != "int":
+            raise ValueError(f"{name} stores {w.num_bits}-bit float values, not integers ({self.format})")
         ours = QuantScheme(w.num_bits, -1 if w.group_size is None else w.group_size, w.symmetric)
         t = {k[len(name) + 1 :]: v for k, v in checkpoint.read(self.keys(name, checkpoint)).items()}
         scale = t["weight_scale"]
@@ -164,6 +203,12 @@ class Reader:
             q = t["weight"]  # int-quantized (W8A8): int8 as it is
         zero = t.get("weight_zero_point", torch.zeros(scale.shape, dtype=torch.int8))
         return QuantizedWeight(ours, q.to(torch.int8), scale, zero.to(torch.int8))
+
+
+def float_layout(folder: str | Path) -> str | None:
+    """The export's float layout (``nvfp4-pack-quantized``, ...), or None."""
+    config = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
+    return config.get("format") if config.get("format") in FLOAT_FORMATS.values() else None
 
 
 def attach_integers(model: torch.nn.Module, folder: str | Path) -> int:

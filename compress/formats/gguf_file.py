@@ -90,6 +90,8 @@ def adapt(p, gguf_type: str) -> str | None:
     if not p.compresses or not p.leaves or p.leaves - STORES:
         return "export.format gguf holds quantized and pruned linears only; drop this pass or export compressed-tensors"
     if (spec := p.rounding) is not None:
+        if spec.format != "int":
+            return f"GGUF {gguf_type} stores integers, not {spec.format}; drop format or export compressed-tensors"
         if problem := scheme_problem(gguf_type, spec.bits, spec.group_size, spec.symmetric):
             return problem
     p.fp16_scales = True
@@ -169,6 +171,8 @@ class _Export:
         if scheme is None:
             raise GGUFError(f"{name}: the export's quantization_config names no scheme for it")
         w = scheme.weights
+        if w.type != "int":
+            raise GGUFError(f"{name} stores {w.num_bits}-bit float values; GGUF holds integers: export an int recipe")
         return w.num_bits, w.group_size or -1, w.symmetric
 
     def weight_shape(self, name: str) -> list[int]:

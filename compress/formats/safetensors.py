@@ -78,6 +78,7 @@ _ST_DTYPES = {
     torch.bool: ("BOOL", 0),
     torch.uint8: ("U8", 4),
     torch.int8: ("I8", 5),
+    torch.float8_e4m3fn: ("F8_E4M3", 7),
     torch.int16: ("I16", 9),
     torch.float16: ("F16", 11),
     torch.bfloat16: ("BF16", 12),

@@ -1,5 +1,6 @@
 """Registry of passes: recipe name -> class. Adding a method is one file plus one line here."""
 
+from .activations import Activations
 from .awq import AWQ
 from .base import LayerPass, ModelPass, PrunePass, RecipeError, WeightQuantPass
 from .blockwise import Blockwise
@@ -25,6 +26,7 @@ PASSES = (
     LowRank,
     LoRC,
     SmoothQuant,
+    Activations,
     KVCachePass,
     Blockwise,
     Distill,

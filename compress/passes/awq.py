@@ -17,7 +17,7 @@ import torch
 
 from .. import distributed
 from ..arch import fold, foldable_scalings
-from ..quant import QuantScheme, attach, compute_qparams, dequantize, fake_quantize, quantize, quantize_weight
+from ..quant import QuantScheme, compute_qparams, dequantize, fake_quantize, quantize
 from .base import RecipeError, WeightQuantOptions, WeightQuantPass
 
 
@@ -185,8 +185,8 @@ class AWQ(WeightQuantPass):
                     w.shape[0],
                 )
                 lin.weight.data = clipped.to(lin.weight.dtype)
-            if o.quantize:
-                attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
+        if o.quantize:
+            self.round_to_nearest(targets)
 
     def summary(self) -> str:
         return f"awq {self.scheme.describe()}" if self.options.quantize else "awq scales"

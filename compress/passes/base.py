@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .. import moe
 from ..arch import arch_of, block_linears, decoder_layers
-from ..quant import QuantScheme, attach, quantize_weight, resolve_group_size
+from ..quant import FORMATS, QuantScheme, attach, global_scale_of, quantize_weight, resolve_group_size
 from ..sparsity import Pattern, parse_pattern, prune_by_magnitude
 
 
@@ -86,8 +86,15 @@ def recovery_problem(recovery: LayerPass, before: list[LayerPass]) -> str | None
     """Recovery needs something compressed to recover, and LoRA needs a quantized base."""
     if not any(q.compresses for q in before):
         return "recovers what compression lost; put a compression pass before it"
-    if "lora" in getattr(recovery.options, "train", []) and not any(q.weight_bits for q in before):
+    train = getattr(recovery.options, "train", [])
+    if "lora" in train and not any(q.weight_bits for q in before):
         return "LoRA trains on a frozen quantized base; put a quantization pass before it"
+    floats = [q for q in before if q.rounding is not None and q.rounding.format != "int"]
+    if "scales" in train and floats:
+        return (
+            f"trains integer scales, but {floats[0].where} stores {floats[0].rounding.format} scales on a grid of "
+            "their own; drop scales from train"
+        )
     return None
 
 
@@ -163,6 +170,8 @@ class QuantSpec(PassOptions):
     symmetric: bool = True
     # how a group's scale is chosen: its min/max, or the clipped range that rounds best (``quant``)
     observer: Literal["minmax", "mse"] = "minmax"
+    # the grid: integers, or a float format GPU servers run (``quant``), which fixes bits and group size
+    format: Literal["int", "fp8", "nvfp4", "mxfp4"] = "int"
 
     @field_validator("group_size")
     @classmethod
@@ -170,6 +179,21 @@ class QuantSpec(PassOptions):
         if v != "auto" and v != -1 and v <= 0:
             raise ValueError("must be auto, -1 (one scale per output channel) or a positive group size")
         return v
+
+    @model_validator(mode="after")
+    def _float_format(self):
+        if self.format == "int":
+            return self
+        bits, group, _ = FORMATS[self.format]
+        given = self.model_fields_set
+        per = "per channel" if group == -1 else f"per {group} weights"
+        fixed = f"{self.format} stores {bits}-bit values with one scale {per}"
+        if "bits" in given and self.bits != bits or "group_size" in given and self.group_size not in ("auto", group):
+            raise ValueError(f"{fixed}: drop bits and group_size (or set bits: {bits}, group_size: {group})")
+        if not self.symmetric:
+            raise ValueError(f"{self.format} is symmetric: drop symmetric: false")
+        self.bits, self.group_size = bits, group
+        return self
 
 
 class WeightQuantOptions(QuantSpec, LinearOptions):
@@ -195,7 +219,7 @@ def resolve_scheme(spec: QuantSpec, widths: dict[str, int], where: str) -> Quant
                 f"{where}.group_size: {g} does not divide the input width of {_listed(bad)}; "
                 "use group_size: auto, -1, or a divisor of every width"
             )
-    scheme = QuantScheme(spec.bits, g, spec.symmetric, observer=spec.observer)
+    scheme = QuantScheme(spec.bits, g, spec.symmetric, observer=spec.observer, format=spec.format)
     if not scheme.symmetric:
         warnings.warn(
             f"{where}.symmetric: false exports zero-points that vLLM reads but transformers "
@@ -264,8 +288,18 @@ class WeightQuantPass(LinearPass):
         self.scheme = replace(resolve_scheme(self.options, self.widths, self.where), fp16_scales=self.fp16_scales)
 
     def without_data(self, block: torch.nn.Module, prefix: str) -> None:
-        for lin in self.targets(block, prefix, starved=True).values():
-            attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
+        self.round_to_nearest(self.targets(block, prefix, starved=True))
+
+    def round_to_nearest(self, linears: dict[str, torch.nn.Linear]) -> None:
+        """Round ``linears`` to the nearest grid values. NVFP4's global scale is shared by the linears
+        that read one input (q/k/v, gate/up): vLLM fuses them into one matmul under one global scale."""
+        shared = {}
+        if self.scheme.format == "nvfp4":
+            for group in self.target_groups(linears):
+                lowest = torch.cat([global_scale_of(linears[n].weight) for n in group]).min()
+                shared |= dict.fromkeys(group, lowest.reshape(1))
+        for name, lin in linears.items():
+            attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype, shared.get(name)))
 
     def summary(self) -> str:
         return f"{self.name} {self.scheme.describe()}"

@@ -106,7 +106,9 @@ class GPTQ(WeightQuantPass):
             ).quantized
             rows = [lin.out_features for lin in linears]
             for lin, ints, scale, zero in zip(linears, q.q.split(rows), q.scale.split(rows), q.zero_point.split(rows)):
-                attach(lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone()))  # own storage each
+                attach(
+                    lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone(), q.global_scale)
+                )  # own storage
 
     def summary(self) -> str:
         o = self.options

@@ -5,7 +5,6 @@ The baseline every other quantizer must beat.
 
 from __future__ import annotations
 
-from ..quant import attach, quantize_weight
 from .base import WeightQuantPass
 
 
@@ -14,5 +13,4 @@ class RTN(WeightQuantPass):
     needs_data = False
 
     def apply(self, block, data, prefix: str) -> None:
-        for lin in self.targets(block, prefix).values():
-            attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype))
+        self.round_to_nearest(self.targets(block, prefix))

@@ -55,7 +55,7 @@ class SmoothQuant(LinearPass):
 
     def order_problem(self, before, after):
         """int8 activations need int8 weights after them: W8A8 is one kernel (and one export format)."""
-        if not any(isinstance(q, WeightQuantPass) and q.weight_bits == 8 for q in after):
+        if not any(isinstance(q, WeightQuantPass) and q.weight_bits == 8 and q.rounding.format == "int" for q in after):
             return "int8 activations need int8 weights; follow it with rtn or gptq, bits: 8"
         return None
 

@@ -1,0 +1,138 @@
+"""Float grids (FP8, NVFP4, MXFP4): values and scales on the grids the formats store, GPTQ's sweep on
+them, and exports in compressed-tensors' float layouts that reload to our weights bit for bit."""
+
+import json
+
+import pytest
+import torch
+
+from compress.column_sweep import obs_sweep
+from compress.passes import RecipeError
+from compress.quant import FP4_VALUES, QuantScheme, quantize_weight
+from compress.recipe import parse
+from tests.conftest import compress_with, export_and_reload, tiny
+
+SCHEMES = {
+    "fp8": QuantScheme(8, -1, True, format="fp8"),
+    "nvfp4": QuantScheme(4, 16, True, format="nvfp4"),
+    "mxfp4": QuantScheme(4, 32, True, format="mxfp4"),
+}
+
+
+def _weight(rows=64, cols=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 0.05
+
+
+@pytest.mark.parametrize("fmt", SCHEMES)
+def test_values_and_scales_lie_on_the_grids_the_format_stores(fmt):
+    qw = quantize_weight(_weight(), SCHEMES[fmt], torch.bfloat16)
+    q = qw.q.float()
+    if fmt == "fp8":
+        assert qw.q.dtype == torch.float8_e4m3fn and qw.scale.dtype == torch.bfloat16
+    else:
+        assert set(q.abs().unique().tolist()) <= set(FP4_VALUES.tolist())
+    if fmt == "nvfp4":  # an FP8 number over the float32 global scale
+        fp8 = qw.scale * qw.global_scale
+        assert torch.equal(fp8.to(torch.float8_e4m3fn).float(), fp8) and qw.global_scale.dtype == torch.float32
+    if fmt == "mxfp4":  # a power of two, and no weight beyond the grid's largest value
+        assert torch.equal(torch.exp2(torch.log2(qw.scale).round()), qw.scale)
+    w = qw.dequantized().float()
+    error = (w - _weight()).pow(2).mean() / _weight().pow(2).mean()
+    assert error < (0.001 if fmt == "fp8" else 0.02)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_gptq_on_a_float_grid_beats_rounding_to_nearest_on_correlated_inputs(fmt):
+    """The sweep rounds onto the same grid (its scales rounded as stored before it starts) and its
+    output error is lower than round-to-nearest's, as GPTQ's is at INT4."""
+    w = _weight()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 16, generator=g) @ torch.randn(16, 128, generator=g) + 0.1 * torch.randn(512, 128, generator=g)
+    H = 2 * x.T @ x / len(x)
+    result = obs_sweep(w, H, "test", scheme=SCHEMES[fmt], dtype=torch.bfloat16, actorder=True)
+    qw = result.quantized
+    assert torch.equal(qw.dequantized().to(torch.bfloat16), result.weight.to(torch.bfloat16))
+    rtn = quantize_weight(w, SCHEMES[fmt], torch.bfloat16).dequantized().float()
+    assert ((qw.dequantized().float() - w) @ x.T).pow(2).mean() < 0.8 * ((rtn - w) @ x.T).pow(2).mean()
+
+
+@pytest.mark.parametrize(
+    "fmt,preset,layout",
+    [
+        ("fp8", "FP8_DYNAMIC", "float-quantized"),
+        ("nvfp4", "NVFP4A16", "nvfp4-pack-quantized"),
+        ("mxfp4", "MXFP4A16", "mxfp4-pack-quantized"),
+    ],
+)
+def test_export_names_the_scheme_as_compressed_tensors_presets_and_reloads_bit_for_bit(fmt, preset, layout, tmp_path):
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    model = tiny("llama").to(torch.bfloat16)
+    recipe = compress_with(model, f"  - rtn: {{format: {fmt}}}\n")
+    reloaded = export_and_reload(model, recipe, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert config["format"] == layout
+    (group,) = config["config_groups"].values()
+    theirs = PRESET_SCHEMES[preset]["weights"].model_dump(mode="json")
+    assert {k: group["weights"].get(k) for k in theirs} == theirs
+    ours = dict(model.named_modules())
+    for name, module in reloaded.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            assert torch.equal(module.weight, ours[name].weight), name
+
+
+def test_nvfp4_shares_one_global_scale_across_linears_that_read_one_input():
+    """vLLM fuses q/k/v and gate/up into one matmul under one global scale."""
+    model = tiny("llama").to(torch.bfloat16)
+    compress_with(model, "  - rtn: {format: nvfp4}\n")
+    attention = model.model.layers[0].self_attn
+    scales = {
+        n: getattr(attention, n).__dict__["quantized"].global_scale.item() for n in ("q_proj", "k_proj", "v_proj")
+    }
+    assert len(set(scales.values())) == 1
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("  - rtn: {format: nvfp4, group_size: 32}\n", "nvfp4 stores 4-bit values with one scale per 16 weights"),
+        ("  - gptq: {format: fp8, bits: 4}\n", "fp8 stores 8-bit values with one scale per channel"),
+        ("  - rtn: {format: mxfp4, symmetric: false}\n", "mxfp4 is symmetric"),
+        ("  - smoothquant: {}\n  - rtn: {format: fp8}\n", "int8 activations need int8 weights"),
+        ("  - gptq: {format: nvfp4}\n  - blockwise: {train: [scales]}\n", "drop scales from train"),
+        ("  - rtn: {format: nvfp4}\nexport: {format: gguf, type: q4_0}\n", "GGUF q4_0 stores integers, not nvfp4"),
+    ],
+)
+def test_float_formats_refuse_what_does_not_fit_them(text, message):
+    with pytest.raises(RecipeError, match=message):
+        parse("passes:\n" + text)
+
+
+def test_fp8_dynamic_activations_are_simulated_exported_and_reloaded_as_evaluated(tmp_path):
+    """compressed-tensors' FP8_DYNAMIC: transformers rounds each token's input to FP8 as we did, and
+    our streamed reader attaches the same rounding."""
+    from compress import lazy
+
+    model = tiny("llama")
+    recipe = compress_with(model, "  - rtn: {format: fp8}\n  - activations: {format: fp8}\n")
+    q_proj = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(3, q_proj.in_features)
+    scale = x.float().abs().amax(-1, keepdim=True) / 448
+    rounded = ((x.float() / scale).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+    torch.testing.assert_close(q_proj(x), torch.nn.functional.linear(rounded, q_proj.weight), rtol=0, atol=0)
+    reloaded = export_and_reload(model, recipe, tmp_path / "out", dtype=torch.float32)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    (group,) = config["config_groups"].values()
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    theirs = PRESET_SCHEMES["FP8_DYNAMIC"]["input_activations"].model_dump(mode="json")
+    assert {k: group["input_activations"].get(k) for k in theirs} == theirs
+    probe = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    streamed = lazy.open_model(tmp_path / "out", torch.float32).load_all()
+    with torch.no_grad():
+        ours = model(probe).logits
+        for theirs in (streamed, reloaded):
+            torch.testing.assert_close(theirs(probe).logits, ours, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RecipeError, match="FP8 activations run with FP8 weights"):
+        parse("passes:\n  - rtn: {format: nvfp4}\n  - activations: {}\n")
