@@ -7,7 +7,10 @@ row as soon as each is measured.
         [--recipes gptq-w4 gptq-w4-actorder rtn-w4] [--bits 4] [--seeds 1] [--root out/peers]
         [--timeout SECONDS]
 
-``--bits 3`` quantizes the peers to int3 (name W3 recipes of ours with ``--recipes``). With
+``--bits 3`` quantizes the peers to int3 (name W3 recipes of ours with ``--recipes``). The
+``llmc-nvfp4a16-*``, ``llmc-mxfp4a16-rtn`` and ``llmc-fp8-dynamic`` peers quantize to
+compressed-tensors' preset float schemes instead (``--bits`` does not apply), to compare with our
+float recipes (``--recipes nvfp4a16 gptq-nvfp4a16 best-nvfp4a16``). With
 ``--seeds N`` every row is quantized from calibration seeds 0..N-1 (ours through ``compress apply
 --seed``, the peers from the same seed's token ids) and shows mean ± standard deviation; a line
 per seed goes to stderr as it is scored.
@@ -60,24 +63,28 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 folder, ids_path, method, group, bits, out = sys.argv[1:7]
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from datasets import Dataset
 from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
 
 ids = load_file(ids_path)["ids"]
 model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
 tokenizer = AutoTokenizer.from_pretrained(folder)
+method, _, preset = method.partition(":")  # "gptq:NVFP4A16": one of compressed-tensors' preset schemes
 weights = QuantizationArgs(num_bits=int(bits), type="int", symmetric=True, strategy="group", group_size=int(group))
-groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+scheme = dict(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)})
+if preset:
+    scheme = dict(scheme=preset, targets=["Linear"])
+data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
+calibrated = dict(dataset=data, num_calibration_samples=len(ids), max_seq_length=ids.shape[1])
 start = time.perf_counter()
-if method == "rtn":
-    oneshot(model=model, recipe=QuantizationModifier(config_groups=groups, ignore=["lm_head"]))
+if method == "rtn":  # a preset with static activation scales calibrates them on the same data
+    needs = preset in ("NVFP4", "FP8")
+    oneshot(model=model, recipe=QuantizationModifier(**scheme, ignore=["lm_head"]), **(calibrated if needs else {}))
 else:
-    from datasets import Dataset
-
-    data = Dataset.from_dict({"input_ids": ids.tolist(), "attention_mask": torch.ones_like(ids).tolist()})
     order = "static" if method == "gptq-actorder" else None
-    modifier = GPTQModifier(config_groups=groups, ignore=["lm_head"], actorder=order, dampening_frac=0.01)
-    oneshot(model=model, dataset=data, recipe=modifier, num_calibration_samples=len(ids), max_seq_length=ids.shape[1])
+    modifier = GPTQModifier(**scheme, ignore=["lm_head"], actorder=order, dampening_frac=0.01)
+    oneshot(model=model, recipe=modifier, **calibrated)
 seconds = time.perf_counter() - start
 model.save_pretrained(out, save_compressed=True)
 tokenizer.save_pretrained(out)
@@ -149,6 +156,11 @@ PEERS = {  # row name -> (tool, worker method)
     "llmc-gptq": (LLMC, "gptq"),
     "llmc-gptq-actorder": (LLMC, "gptq-actorder"),
     "llmc-rtn": (LLMC, "rtn"),
+    # float schemes (compressed-tensors' presets); --bits does not apply to them
+    "llmc-nvfp4a16-rtn": (LLMC, "rtn:NVFP4A16"),
+    "llmc-nvfp4a16-gptq": (LLMC, "gptq:NVFP4A16"),
+    "llmc-mxfp4a16-rtn": (LLMC, "rtn:MXFP4A16"),
+    "llmc-fp8-dynamic": (LLMC, "rtn:FP8_DYNAMIC"),
     "gptqmodel-gptq": (GPTQMODEL, "gptq"),
     "gptqmodel-awq": (GPTQMODEL, "awq"),
 }
@@ -284,8 +296,9 @@ def main() -> None:
                 pythons[tool] = peer_python(tool)
             except subprocess.CalledProcessError as e:
                 pythons[tool] = f"install failed: {e}"
+        label = peer if ":" in method else f"{peer} W{args.bits}"
         if isinstance(pythons[tool], str):
-            row(tool.name, f"{peer} W{args.bits}", [], pythons[tool])
+            row(tool.name, label, [], pythons[tool])
             continue
         runs, note = [], ""
         for seed in seeds:
@@ -307,7 +320,7 @@ def main() -> None:
             )
             runs.append({"seconds": seconds, "wall": wall, "rss": rss} | scores(scored))
             progress(peer, seed, runs[-1])
-        row(tool.name, f"{peer} W{args.bits}", runs, note)
+        row(tool.name, label, runs, note)
 
 
 if __name__ == "__main__":
