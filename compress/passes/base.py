@@ -299,7 +299,8 @@ class WeightQuantPass(LinearPass):
                 lowest = torch.cat([global_scale_of(linears[n].weight) for n in group]).min()
                 shared |= dict.fromkeys(group, lowest.reshape(1))
         for name, lin in linears.items():
-            attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype, shared.get(name)))
+            global_scale = shared[name].clone() if name in shared else None  # each its own tensor (resume files)
+            attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype, global_scale))
 
     def summary(self) -> str:
         return f"{self.name} {self.scheme.describe()}"

@@ -106,9 +106,8 @@ class GPTQ(WeightQuantPass):
             ).quantized
             rows = [lin.out_features for lin in linears]
             for lin, ints, scale, zero in zip(linears, q.q.split(rows), q.scale.split(rows), q.zero_point.split(rows)):
-                attach(
-                    lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone(), q.global_scale)
-                )  # own storage
+                shared = None if q.global_scale is None else q.global_scale.clone()  # each linear its own storage
+                attach(lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone(), shared))
 
     def summary(self) -> str:
         o = self.options
