@@ -252,7 +252,8 @@ def round_significand(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """Integers (int8) for ``w`` given per-group ``scale``/``zero`` of shape (out, groups)."""
+    """Grid values (``scheme.q_dtype``: int8 integers, or float values) for ``w`` given per-group
+    ``scale``/``zero`` of shape (out, groups)."""
     out_features, in_features = w.shape
     wg = w.float().reshape(out_features, scale.shape[1], -1)
     q = to_grid(wg / scale.float().unsqueeze(-1), zero.float().unsqueeze(-1), scheme)

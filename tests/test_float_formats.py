@@ -74,6 +74,7 @@ def test_export_names_the_scheme_as_compressed_tensors_presets_and_reloads_bit_f
     config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert config["format"] == layout
     (group,) = config["config_groups"].values()
+    assert group["format"] == layout  # as llm-compressor names a float group's layout
     theirs = PRESET_SCHEMES[preset]["weights"].model_dump(mode="json")
     assert {k: group["weights"].get(k) for k in theirs} == theirs
     ours = dict(model.named_modules())

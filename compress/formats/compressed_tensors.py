@@ -124,6 +124,8 @@ def config(linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None
             targets=["Linear"] if single else names,
             weights=weight_args(scheme),
             input_activations=_activation_args(act) if act else None,
+            # float groups name their layout, as llm-compressor writes them (integer exports keep theirs unnamed)
+            format=fmt if fmt in FLOAT_FORMATS.values() else None,
         )
         for i, ((scheme, act), names) in enumerate(by_scheme.items())
     }
