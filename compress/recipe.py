@@ -95,6 +95,8 @@ def _format(err: ValidationError, prefix: str = "") -> str:
     first = err.errors()[0]
     path = prefix
     for part in first["loc"]:
+        if isinstance(part, str) and not part.isprintable():  # a key with a newline in it: quoted, on one line
+            part = repr(part)
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
