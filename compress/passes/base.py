@@ -166,7 +166,7 @@ class QuantSpec(PassOptions):
     bits: Literal[2, 3, 4, 8] = 4
     group_size: Literal["auto"] | int = "auto"
     # Symmetric by default: transformers 5 + compressed-tensors 0.20 cannot reload asymmetric
-    # pack-quantized checkpoints (vLLM can); see README "Known limits".
+    # pack-quantized checkpoints (vLLM can); see docs/limits.md.
     symmetric: bool = True
     # how a group's scale is chosen: its min/max, or the clipped range that rounds best (``quant``)
     observer: Literal["minmax", "mse"] = "minmax"
@@ -223,7 +223,7 @@ def resolve_scheme(spec: QuantSpec, widths: dict[str, int], where: str) -> Quant
     if not scheme.symmetric:
         warnings.warn(
             f"{where}.symmetric: false exports zero-points that vLLM reads but transformers "
-            "5 with compressed-tensors 0.20 cannot reload (see README, Known limits)",
+            "5 with compressed-tensors 0.20 cannot reload (see docs/limits.md)",
             stacklevel=3,
         )
     return scheme
