@@ -157,8 +157,12 @@ def _decode(args) -> None:
     prompt = _prompt_ids(args, tokenizer).to(device)
     if Path(args.model).is_dir():
         attach_integers(model, args.model)  # the export's integers, for the int4/int8 kernels
-        if layout := float_layout(args.model):
-            print(f"[decode: {layout} weights run dequantized: no kernel here reads float grids yet]", file=sys.stderr)
+        layout, inputs = float_layout(args.model)
+        if layout or inputs:  # the engine's own forward, not the modules' hooks
+            done = [f"{layout} weights run dequantized"] if layout else []
+            done += [f"{inputs} inputs run unrounded"] if inputs else []
+            why = "no kernel here reads float grids yet; `compress eval` scores them as served"
+            print(f"[decode: {', '.join(done)}: {why}]", file=sys.stderr)
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
     sampling = decode.Sampling(args.temperature, args.top_p, args.seed)

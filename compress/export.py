@@ -24,7 +24,7 @@ import torch
 from . import factored, kv_quant, moe
 from .formats import bitsandbytes, compressed_tensors, gguf_file, peft_adapter
 from .formats.safetensors import MAX_SHARD_BYTES, ExportError, ShardWriter, umask
-from .quant import ActivationScheme, QuantizedWeight, QuantScheme, input_quant_of, quantized_of
+from .quant import ActivationScheme, InputScale, QuantizedWeight, QuantScheme, input_quant_of, quantized_of
 from .sparsity import prune_mask_of
 from .state import LoRA, states_of
 
@@ -172,10 +172,16 @@ class Export:
                 "an export holds one weight format"
             )
         act = input_quant_of(linear)
-        if act is not None and act.format == "fp8" and qw.scheme.format != "fp8":
-            raise ExportError(f"{name} has FP8 activations but {qw.scheme.describe()} weights; FP8 needs FP8 weights")
-        if act is not None and act.format == "fp8":
-            return compressed_tensors.tensors(name, qw, self.format)
+        if act is not None and act.format != "int":
+            w4afp8 = act.format == "fp8" and qw.scheme.format == "int" and qw.scheme.bits == 4 and qw.scheme.symmetric
+            if act.format != qw.scheme.format and not w4afp8:
+                raise ExportError(
+                    f"{name} has {act.format} activations but {qw.scheme.describe()} weights; "
+                    f"{act.format} activations need {act.format} weights (or, for fp8, symmetric int4)"
+                )
+            return compressed_tensors.tensors(name, qw, self.format) | compressed_tensors.input_tensors(
+                name, act, InputScale.of(linear)
+            )
         if act is not None and qw.scheme.bits != 8:
             raise ExportError(
                 f"{name} has int8 activations but {qw.scheme.describe()} weights; "

@@ -23,7 +23,7 @@ from . import factored, kv_quant, moe
 from .arch import arch_of, decoder_layers
 from .formats import bitsandbytes, compressed_tensors, peft_adapter
 from .formats.safetensors import Checkpoint, CheckpointError
-from .quant import ActivationScheme
+from .quant import ActivationScheme, InputScale
 from .state import drop_all
 
 
@@ -93,9 +93,12 @@ class StreamedModel:
         subs = module.named_modules(prefix=prefix.rstrip(".")) if recurse else [(prefix.rstrip("."), module)]
         renames = moe.checkpoint_renames(module, prefix)  # Mixtral's experts are under another name on disk
         wanted = []  # (module name, its name on disk, module, leaf, quantization scheme or None, checkpoint keys)
+        wanted_inputs = []  # (module name, module, [key of its calibrated input scale])
         for name, sub in subs:
             scheme = self.quantized.scheme_of(name, sub) if self.quantized else None
             stored = moe.renamed(name, renames)
+            if scheme is not None and (act := ActivationScheme.of(sub)) is not None and act.calibrated:
+                wanted_inputs.append((name, sub, self.quantized.input_keys(stored, ckpt)))
             for leaf, _ in sub.named_parameters(recurse=False):
                 if leaf == "weight" and scheme is not None:  # decompressed as its library does it
                     keys = self.quantized.keys(stored, ckpt)
@@ -104,7 +107,12 @@ class StreamedModel:
                 if keys[0] not in ckpt:
                     raise CheckpointError(f"{ckpt.folder} has no tensor {keys[0]} (a checkpoint of another model?)")
                 wanted.append((name, stored, sub, leaf, scheme if leaf == "weight" else None, keys))
-        tensors = ckpt.read([k for *_, keys in wanted for k in keys])
+        for name, _, keys in wanted_inputs:
+            if not keys:
+                raise CheckpointError(f"{ckpt.folder} has no calibrated input scale for {name} (its config names one)")
+        tensors = ckpt.read([k for *_, keys in wanted + wanted_inputs for k in keys])
+        for _, sub, keys in wanted_inputs:
+            InputScale(tensors.pop(keys[0])).attach(sub)
         for name, stored, sub, leaf, scheme, keys in wanted:
             if scheme is not None:
                 value = self.quantized.weight({k[len(stored) + 1 :]: tensors.pop(k) for k in keys}, scheme)
@@ -189,6 +197,8 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
         quantized = None
     adapter = peft_adapter.Reader(where / "adapter") if (where / "adapter" / "adapter_config.json").exists() else None
     streamed = StreamedModel(model, checkpoint, dtype, quantized, adapter)
+    if isinstance(quantized, compressed_tensors.Reader):  # before any read: calibrated input scales come with a block
+        _quantize_inputs(model, quantized)
     layers = streamed.prefix.rstrip(".")
     for name, sub in model.named_modules():
         if name != layers and not name.startswith(layers + ".") and sub._parameters:
@@ -196,8 +206,6 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
                 continue
             streamed.read(sub, name, recurse=False)
     model.tie_weights()
-    if quantized is not None and quantized.format in ("int-quantized", "float-quantized"):
-        _quantize_inputs(model, quantized)
     if (kv := getattr(config, kv_quant.CONFIG_KEY, None)) is not None:
         kv_quant.install(model, {k: v for k, v in kv.items() if k != "method"})
     if (where / "generation_config.json").exists():
@@ -207,10 +215,8 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
 
 
 def _quantize_inputs(model: torch.nn.Module, quantized: compressed_tensors.Reader) -> None:
-    """W8A8 and FP8 exports: their linears see int8 or FP8 inputs, as our evaluation simulated them before export."""
+    """Exports with quantized inputs (W8A8, FP8, W4AFP8, NVFP4, MXFP4): their linears see them rounded
+    as our evaluation simulated them before export (calibrated scales are read with the blocks)."""
     for name, module in model.named_modules():
-        scheme = quantized.scheme_of(name, module)
-        if scheme is not None and scheme.input_activations is not None:
-            act = scheme.input_activations
-            fmt = "fp8" if act.type == "float" else "int"
-            ActivationScheme(act.num_bits, per_token=act.strategy == "token", format=fmt).attach(module)
+        if (scheme := quantized.input_scheme(name, module)) is not None:
+            scheme.attach(module)

@@ -231,15 +231,21 @@ def _float_scale(amax: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, gl
     return scale.clamp(min=1e-8).to(dtype).float()
 
 
-def to_grid(x: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
-    """``x`` (weights over their scale, float32) rounded onto the scheme's grid: integers plus the
-    zero-point, or the nearest float value (FP8 E4M3 by round-to-nearest-even, E2M1 by nearest)."""
+def to_grid(x: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme, even_ties: bool = False) -> torch.Tensor:
+    """``x`` (values over their scale, float32) rounded onto the scheme's grid: integers plus the
+    zero-point, or the nearest float value (E4M3 by round-to-nearest-even). An E2M1 tie goes to the
+    smaller magnitude, or with ``even_ties`` to the even code, as FP4 kernels round activations
+    (for a weight either is as close; the stored code is what every reader dequantizes)."""
     if not scheme.is_float:
         return (torch.round(x) + zero).clamp(scheme.qmin, scheme.qmax)
     if scheme.bits == 8:
         return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     values = FP4_VALUES.to(x.device)
-    index = torch.bucketize(x.abs().clamp(max=values[-1]), (values[1:] + values[:-1]) / 2)
+    magnitude, midpoints = x.abs().clamp(max=values[-1]), (values[1:] + values[:-1]) / 2
+    index = torch.bucketize(magnitude, midpoints)  # a tie goes to the lower value
+    if even_ties:
+        tie = magnitude == midpoints[index.clamp(max=len(midpoints) - 1)]
+        index = index + (tie & (index % 2 == 1))
     return values[index] * torch.sign(x)
 
 
@@ -297,18 +303,35 @@ def quantized_of(linear: torch.nn.Module) -> QuantizedWeight | None:
 
 @dataclass(frozen=True)
 class ActivationScheme(State, attr="input_quant"):
-    """Dynamic symmetric activations, integers or FP8 E4M3 (``format``): a scale per token (row), or
-    one per tensor. Attached to a linear, it makes the linear see its input as the kernel would (a pre-hook)."""
+    """How a linear's input is rounded before its matmul, as the serving kernel rounds it: integers
+    or FP8 E4M3 with a dynamic scale per token (row) or per tensor; FP8 with one per-tensor scale
+    calibrated beforehand (``static``); or NVFP4 / MXFP4 with a dynamic scale per 16 / 32 values,
+    NVFP4's under a calibrated global scale. A calibrated scale is an ``InputScale`` beside it.
+    Attached to a linear, it makes the linear see its input as the kernel would (a pre-hook)."""
 
     bits: int = 8
     per_token: bool = True
-    format: str = "int"  # or "fp8"
+    format: str = "int"  # or "fp8", "nvfp4", "mxfp4"
+    static: bool = False  # fp8 per tensor: the scale is calibrated, not taken from each input
 
     holds_tensors: ClassVar[bool] = False
 
+    @property
+    def group_size(self) -> int | None:
+        """Values per dynamic scale for the FP4 formats (16, 32), else None."""
+        return FORMATS[self.format][1] if self.format in ("nvfp4", "mxfp4") else None
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether it needs an ``InputScale`` measured on calibration data."""
+        return self.static or self.format == "nvfp4"
+
     def describe(self) -> str:
+        if self.group_size is not None:
+            return f"A4 {self.format.upper()} g{self.group_size} dynamic"
         kind = "FP8 " if self.format == "fp8" else ""
-        return f"A{self.bits} {kind}{'per-token' if self.per_token else 'per-tensor'} dynamic"
+        how = "static" if self.static else "dynamic"
+        return f"A{self.bits} {kind}{'per-token' if self.per_token else 'per-tensor'} {how}"
 
     def attach(self, module: torch.nn.Module) -> None:
         if ActivationScheme.of(module) is None:
@@ -323,20 +346,70 @@ class ActivationScheme(State, attr="input_quant"):
         return cls(**meta)
 
 
-def fake_quantize_activation(x: torch.Tensor, scheme: ActivationScheme) -> torch.Tensor:
-    """What an int8 (or FP8) matmul would see of ``x``: rounded with a scale from its current max |x|
-    (the compressed-tensors convention: ``scale = max|x| / ((2^b - 1) / 2)``; FP8: ``max|x| / 448``)."""
-    amax = x.abs().amax(-1, keepdim=True) if scheme.per_token else x.abs().amax()
+class InputScale(State, attr="input_scale"):
+    """A linear's input scale calibrated on the calibration data (the largest |x| seen): FP8's static
+    per-tensor scale (``max|x| / 448``), or NVFP4's float32 global scale (``448 * 6 / max|x|``, as
+    for weights, so that the FP8 scale of the largest group uses FP8's whole range)."""
+
+    holds_tensors: ClassVar[bool] = False  # a scalar that the pre-hook reads as long as it stays
+
+    def __init__(self, value: torch.Tensor):
+        self.value = value.float().reshape(1)
+
+    @classmethod
+    def calibrated(cls, amax: torch.Tensor, scheme: ActivationScheme, dtype: torch.dtype) -> InputScale:
+        """From the largest |x| seen; FP8's scale rounded to the storage ``dtype``, as transformers holds
+        it (NVFP4's global scale stays float32 there)."""
+        amax = amax.float().clamp(min=1e-12)
+        if scheme.format == "nvfp4":
+            return cls(FP8_MAX * FORMATS["nvfp4"][2] / amax)
+        return cls((amax / FP8_MAX).to(dtype))
+
+    def saved(self):
+        return {"value": self.value}, {}
+
+    @classmethod
+    def restored(cls, tensors, meta):
+        return cls(tensors["value"])
+
+
+_FP4_SCHEMES = {f: QuantScheme(4, FORMATS[f][1], True, format=f) for f in ("nvfp4", "mxfp4")}
+
+
+def fake_quantize_activation(
+    x: torch.Tensor, scheme: ActivationScheme, calibrated: InputScale | None = None
+) -> torch.Tensor:
+    """What the kernel's matmul sees of ``x``, in compressed-tensors' conventions (which transformers
+    simulates too): integers with ``scale = max|x| / ((2^b - 1) / 2)``; FP8 with ``max|x| / 448``
+    (the calibrated scale when static); FP4 per group of 16 / 32 values with the weights' NVFP4
+    scale (an FP8 number over the calibrated global scale) or MX's power of two, which for
+    activations follows the OCP rule the kernels use (the group's max rounded to E2M1's precision,
+    its exponent less 2: a few values past 6 clip, unlike our weights' scales, which never clip)."""
+    if scheme.group_size is not None:
+        fp4 = _FP4_SCHEMES[scheme.format]
+        groups = x.float().unflatten(-1, (-1, scheme.group_size))
+        amax = groups.abs().amax(-1, keepdim=True)
+        if scheme.format == "nvfp4":
+            scale = _float_scale(amax, fp4, torch.float32, calibrated.value.to(x.device))
+        else:
+            mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, 0.5 <= mantissa < 1
+            scale = torch.exp2((exponent - 1 + (mantissa >= 0.875).int() - 2).clamp(-127, 127).float())
+        return (to_grid(groups / scale, None, fp4, even_ties=True) * scale).flatten(-2).to(x.dtype)
+    if scheme.static:
+        scale = calibrated.value.to(x.device)
+    else:
+        amax = x.abs().amax(-1, keepdim=True) if scheme.per_token else x.abs().amax()
+        scale = amax.float() / (FP8_MAX if scheme.format == "fp8" else (2**scheme.bits - 1) / 2)
     if scheme.format == "fp8":
-        scale = (amax.float() / FP8_MAX).clamp(min=1e-12)
+        scale = scale.clamp(min=1e-12)
         return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
     qmax = 2 ** (scheme.bits - 1) - 1
-    scale = (amax.float() / ((2**scheme.bits - 1) / 2)).clamp(min=1e-8)
+    scale = scale.clamp(min=1e-8)
     return (torch.round(x.float() / scale).clamp(-qmax - 1, qmax) * scale).to(x.dtype)
 
 
 def _quantize_input(module: torch.nn.Module, args: tuple):
-    return (fake_quantize_activation(args[0], ActivationScheme.of(module)), *args[1:])
+    return (fake_quantize_activation(args[0], ActivationScheme.of(module), InputScale.of(module)), *args[1:])
 
 
 def input_quant_of(linear: torch.nn.Module) -> ActivationScheme | None:

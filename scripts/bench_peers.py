@@ -8,9 +8,10 @@ row as soon as each is measured.
         [--timeout SECONDS]
 
 ``--bits 3`` quantizes the peers to int3 (name W3 recipes of ours with ``--recipes``). The
-``llmc-nvfp4a16-*``, ``llmc-mxfp4a16-rtn`` and ``llmc-fp8-dynamic`` peers quantize to
-compressed-tensors' preset float schemes instead (``--bits`` does not apply), to compare with our
-float recipes (``--recipes nvfp4a16 gptq-nvfp4a16 best-nvfp4a16``). With
+``llmc-nvfp4a16-*``, ``llmc-nvfp4-*`` (W4A4), ``llmc-mxfp4a16-rtn``, ``llmc-fp8-dynamic`` and
+``llmc-fp8-static`` peers quantize to compressed-tensors' preset float schemes instead (``--bits``
+does not apply), to compare with our float recipes (``--recipes nvfp4a16 gptq-nvfp4a16
+best-nvfp4a16 nvfp4 fp8-dynamic fp8``). With
 ``--seeds N`` every row is quantized from calibration seeds 0..N-1 (ours through ``compress apply
 --seed``, the peers from the same seed's token ids) and shows mean ± standard deviation; a line
 per seed goes to stderr as it is scored.
@@ -161,6 +162,9 @@ PEERS = {  # row name -> (tool, worker method)
     "llmc-nvfp4a16-gptq": (LLMC, "gptq:NVFP4A16"),
     "llmc-mxfp4a16-rtn": (LLMC, "rtn:MXFP4A16"),
     "llmc-fp8-dynamic": (LLMC, "rtn:FP8_DYNAMIC"),
+    "llmc-fp8-static": (LLMC, "rtn:FP8"),  # per-tensor weights, static per-tensor activations
+    "llmc-nvfp4-rtn": (LLMC, "rtn:NVFP4"),  # W4A4
+    "llmc-nvfp4-gptq": (LLMC, "gptq:NVFP4"),
     "gptqmodel-gptq": (GPTQMODEL, "gptq"),
     "gptqmodel-awq": (GPTQMODEL, "awq"),
 }

@@ -103,6 +103,10 @@ def test_nvfp4_shares_one_global_scale_across_linears_that_read_one_input():
         ("  - smoothquant: {}\n  - rtn: {format: fp8}\n", "int8 activations need int8 weights"),
         ("  - gptq: {format: nvfp4}\n  - blockwise: {train: [scales]}\n", "drop scales from train"),
         ("  - rtn: {format: nvfp4}\nexport: {format: gguf, type: q4_0}\n", "GGUF q4_0 stores integers, not nvfp4"),
+        ("  - rtn: {format: mxfp4}\n  - activations: {format: nvfp4}\n", "nvfp4 activations run with nvfp4 weights"),
+        ("  - rtn: {bits: 4, symmetric: false}\n  - activations: {format: fp8}\n", "or symmetric int4"),
+        ("  - rtn: {format: nvfp4}\n  - activations: {format: nvfp4, static: true}\n", "strategy and static are fp8's"),
+        ("  - rtn: {format: fp8}\n  - activations: {static: true}\n", "set strategy: tensor"),
     ],
 )
 def test_float_formats_refuse_what_does_not_fit_them(text, message):
@@ -135,5 +139,68 @@ def test_fp8_dynamic_activations_are_simulated_exported_and_reloaded_as_evaluate
         ours = model(probe).logits
         for theirs in (streamed, reloaded):
             torch.testing.assert_close(theirs(probe).logits, ours, rtol=1e-5, atol=1e-5)
-    with pytest.raises(RecipeError, match="FP8 activations run with FP8 weights"):
+    with pytest.raises(RecipeError, match="fp8 activations run with fp8 weights, or symmetric int4"):
         parse("passes:\n  - rtn: {format: nvfp4}\n  - activations: {}\n")
+
+
+@pytest.mark.parametrize(
+    "passes,preset",
+    [
+        ("  - rtn: {format: nvfp4}\n  - activations: {format: nvfp4}\n", "NVFP4"),
+        ("  - rtn: {format: mxfp4}\n  - activations: {format: mxfp4}\n", "MXFP4"),
+        ("  - rtn: {format: fp8}\n  - activations: {format: fp8, strategy: tensor, static: true}\n", "FP8"),
+        ("  - rtn: {bits: 4, symmetric: true}\n  - activations: {format: fp8}\n", "W4AFP8"),
+    ],
+)
+def test_quantized_activations_export_as_the_preset_and_reload_to_our_logits(passes, preset, tmp_path):
+    """W4A4 (NVFP4, MXFP4), static FP8 and W4AFP8: the calibrated scale is stored, the config's input
+    arguments are the preset's, and transformers and our streamed reader compute our logits."""
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    from compress import lazy
+    from compress.quant import InputScale
+
+    model = tiny("llama")
+    # compressed-tensors decompresses FP4 weights to bfloat16; the rotary table stays float32
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    recipe = compress_with(model, passes, ids)
+    q_proj = model.model.layers[0].self_attn.q_proj
+    calibrated = InputScale.of(q_proj)
+    assert (calibrated is not None) == (preset in ("NVFP4", "FP8"))
+    reloaded = export_and_reload(model, recipe, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    (group,) = config["config_groups"].values()
+    theirs = PRESET_SCHEMES[preset]["input_activations"].model_dump(mode="json", exclude={"observer"})
+    assert {k: group["input_activations"].get(k) for k in theirs} == theirs
+    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    # compared in float32, as `compress eval` computes (in bfloat16 compressed-tensors divides in bfloat16)
+    streamed = lazy.open_model(tmp_path / "out", torch.float32).load_all()
+    with torch.no_grad():
+        ours = model.float()(probe).logits
+        for other in (streamed, torch.nn.Module.float(reloaded)):  # transformers refuses .float() on a quantized model
+            torch.testing.assert_close(other(probe).logits, ours, rtol=0, atol=0)
+    if calibrated is not None:
+        name = "input_global_scale" if preset == "NVFP4" else "input_scale"
+        stored = getattr(reloaded.model.layers[0].self_attn.q_proj, name).data
+        torch.testing.assert_close(stored.float(), calibrated.value)
+
+
+def test_fp4_activations_round_per_group_under_the_calibrated_global_scale():
+    """NVFP4 inputs: each group of 16 values is E2M1 codes times an FP8 number over the global scale
+    (448 * 6 / the largest |x| calibrated), the group's largest value on the code 6."""
+    from compress.quant import ActivationScheme, InputScale, fake_quantize_activation
+
+    x = torch.randn(3, 64) * torch.linspace(0.1, 10, 64)
+    scheme = ActivationScheme(4, False, "nvfp4")
+    calibrated = InputScale.calibrated(x.abs().amax(), scheme, torch.float32)
+    torch.testing.assert_close(calibrated.value, 448 * 6 / x.abs().amax().reshape(1))
+    groups = x.unflatten(-1, (-1, 16))
+    fp8 = (groups.abs().amax(-1, keepdim=True) / 6 * calibrated.value).to(torch.float8_e4m3fn).float()
+    codes = fake_quantize_activation(x, scheme, calibrated).unflatten(-1, (-1, 16)) / (fp8 / calibrated.value)
+    halves = codes.abs().mul(2).round().div(2)
+    torch.testing.assert_close(codes.abs(), halves)  # E2M1 values, up to float32's rounding of the division
+    assert torch.isin(halves, FP4_VALUES).all()
+    assert (halves.amax(-1) == 6).all()

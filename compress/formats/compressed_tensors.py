@@ -27,6 +27,7 @@ from ..quant import ActivationScheme, QuantizedWeight, QuantScheme
 from .safetensors import Checkpoint
 
 PARTS = ("weight", "weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_shape")
+INPUT_PARTS = ("input_scale", "input_global_scale")  # calibrated input scales (``input_tensors``)
 # a weight format -> the export's compressed-tensors format (integers: pack-quantized, or int-quantized for W8A8)
 FLOAT_FORMATS = {"fp8": "float-quantized", "nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
 
@@ -59,15 +60,27 @@ def weight_args(scheme: QuantScheme):
 
 
 def _activation_args(scheme: ActivationScheme):
+    """compressed-tensors' description of our inputs (as its presets ``FP8_DYNAMIC``, ``FP8``,
+    ``W4AFP8``, ``NVFP4`` and ``MXFP4`` describe theirs)."""
     from compressed_tensors.quantization import QuantizationArgs
 
+    if scheme.format == "nvfp4":  # dynamic scales per 16 under the static global scale
+        extra = dict(strategy="tensor_group", group_size=16, dynamic="local", scale_dtype=torch.float8_e4m3fn)
+    elif scheme.format == "mxfp4":
+        extra = dict(strategy="group", group_size=32, dynamic=True, scale_dtype=torch.uint8)
+    else:
+        extra = dict(strategy="token" if scheme.per_token else "tensor", dynamic=not scheme.static)
     return QuantizationArgs(
-        num_bits=scheme.bits,
-        type="float" if scheme.format == "fp8" else "int",
-        symmetric=True,
-        dynamic=True,
-        strategy="token" if scheme.per_token else "tensor",
+        num_bits=scheme.bits, type="int" if scheme.format == "int" else "float", symmetric=True, **extra
     )
+
+
+def input_tensors(name: str, scheme: ActivationScheme, calibrated) -> dict[str, torch.Tensor]:
+    """The tensor linear ``name`` stores for its inputs: FP8's static scale (``input_scale``) or
+    NVFP4's global scale (``input_global_scale``), as compressed-tensors names them; else none."""
+    if not scheme.calibrated:
+        return {}
+    return {f"{name}.input_global_scale" if scheme.format == "nvfp4" else f"{name}.input_scale": calibrated.value}
 
 
 def tensors(name: str, qw: QuantizedWeight, fmt: str) -> dict[str, torch.Tensor]:
@@ -124,8 +137,9 @@ def config(linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None
             targets=["Linear"] if single else names,
             weights=weight_args(scheme),
             input_activations=_activation_args(act) if act else None,
-            # float groups name their layout, as llm-compressor writes them (integer exports keep theirs unnamed)
-            format=fmt if fmt in FLOAT_FORMATS.values() else None,
+            # float groups name their layout, as llm-compressor writes them (integer exports keep theirs
+            # unnamed, but for float inputs: compressed-tensors would guess a float layout for W4AFP8)
+            format=fmt if fmt in FLOAT_FORMATS.values() or (act and act.format != "int") else None,
         )
         for i, ((scheme, act), names) in enumerate(by_scheme.items())
     }
@@ -170,6 +184,21 @@ class Reader:
                     return scheme
         return None
 
+    def input_scheme(self, name: str, module: torch.nn.Module) -> ActivationScheme | None:
+        """How linear ``name`` rounds its inputs (``_activation_args`` read back), or None."""
+        scheme = self.scheme_of(name, module)
+        act = scheme and scheme.input_activations
+        if act is None:
+            return None
+        if act.type == "int":
+            return ActivationScheme(act.num_bits, per_token=act.strategy == "token")
+        fmt = {4: "nvfp4" if act.strategy == "tensor_group" else "mxfp4", 8: "fp8"}[act.num_bits]
+        return ActivationScheme(act.num_bits, act.strategy == "token", fmt, static=fmt == "fp8" and not act.dynamic)
+
+    def input_keys(self, stored: str, checkpoint) -> list[str]:
+        """The calibrated input scale linear ``stored`` keeps (``input_tensors``), as a list of at most one key."""
+        return [f"{stored}.{k}" for k in INPUT_PARTS if f"{stored}.{k}" in checkpoint]
+
     def keys(self, stored: str, checkpoint) -> list[str]:
         return [f"{stored}.{k}" for k in PARTS if f"{stored}.{k}" in checkpoint]
 
@@ -207,10 +236,14 @@ class Reader:
         return QuantizedWeight(ours, q.to(torch.int8), scale, zero.to(torch.int8))
 
 
-def float_layout(folder: str | Path) -> str | None:
-    """The export's float layout (``nvfp4-pack-quantized``, ...), or None."""
+def float_layout(folder: str | Path) -> tuple[str | None, str | None]:
+    """(the export's float weight layout, e.g. ``nvfp4-pack-quantized``, or None; ``FP8`` or ``FP4``
+    when its linears read float inputs, or None)."""
     config = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
-    return config.get("format") if config.get("format") in FLOAT_FORMATS.values() else None
+    layout = config.get("format") if config.get("format") in FLOAT_FORMATS.values() else None
+    inputs = [g.get("input_activations") or {} for g in (config.get("config_groups") or {}).values()]
+    bits = {a.get("num_bits") for a in inputs if a.get("type") == "float"}
+    return layout, ("FP4" if 4 in bits else "FP8") if bits else None
 
 
 def attach_integers(model: torch.nn.Module, folder: str | Path) -> int:

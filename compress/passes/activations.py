@@ -1,40 +1,112 @@
 """Quantized activations: each targeted linear sees its input rounded as the serving kernel rounds
-it, FP8 E4M3 with a scale per token computed as the input arrives (dynamic), or one per tensor.
+it, so that evaluation measures the model the server runs.
 
-With FP8 weights before it this is compressed-tensors' ``FP8_DYNAMIC`` scheme, which vLLM runs on
-FP8 tensor cores (Hopper and newer). Evaluation simulates the rounding exactly (``quant``'s
-pre-hook); the export names it as ``input_activations`` and stores nothing for it.
+- ``format: fp8``: E4M3 with a scale per token computed as the input arrives (``strategy:
+  token``, dynamic), one per tensor (``tensor``), or one per tensor calibrated here on the
+  calibration data (``static: true``, the largest |x| seen). With FP8 weights before it this is
+  compressed-tensors' ``FP8_DYNAMIC`` (or, static, ``FP8``), which vLLM runs on FP8 tensor cores;
+  with symmetric INT4 weights it is ``W4AFP8``.
+- ``format: nvfp4``: E2M1 with a dynamic FP8 scale per 16 values under a global scale calibrated
+  here (compressed-tensors' ``NVFP4``, W4A4 with NVFP4 weights).
+- ``format: mxfp4``: E2M1 with a dynamic power-of-two scale per 32 values (``MXFP4``, with MXFP4 weights).
+
+Evaluation simulates the rounding exactly (``quant.fake_quantize_activation``, a pre-hook); the
+export names it as ``input_activations`` and stores the calibrated scale beside the weights.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from ..quant import ActivationScheme
+import torch
+from pydantic import model_validator
+
+from .. import distributed
+from ..quant import ActivationScheme, InputScale
 from .base import LinearOptions, LinearPass
+
+# activation format -> the weight grids it runs with (one kernel, one export format)
+WEIGHTS_FOR = {"fp8": "fp8 weights, or symmetric int4 (W4AFP8)", "nvfp4": "nvfp4 weights", "mxfp4": "mxfp4 weights"}
 
 
 class ActivationOptions(LinearOptions):
-    format: Literal["fp8"] = "fp8"
-    strategy: Literal["token", "tensor"] = "token"
+    format: Literal["fp8", "nvfp4", "mxfp4"] = "fp8"
+    strategy: Literal["token", "tensor"] = "token"  # fp8: a scale per token, or one per tensor
+    static: bool = False  # fp8, per tensor: one scale calibrated on the calibration data
+
+    @model_validator(mode="after")
+    def _one_way(self):
+        fields = self.model_fields_set
+        if self.format != "fp8" and fields & {"strategy", "static"}:
+            raise ValueError(f"{self.format} activations have a dynamic scale per group; strategy and static are fp8's")
+        if self.static and self.strategy == "token":
+            raise ValueError("a static scale is one per tensor; with static: true set strategy: tensor")
+        return self
+
+
+class _LargestInput:
+    """The largest |x| a linear reads over the calibration data."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        self.max = torch.zeros((), device=linear.weight.device)
+
+    def add(self, x: torch.Tensor) -> None:
+        self.max = torch.maximum(self.max, x.detach().abs().amax().float())
+
+    def reduce(self) -> None:
+        distributed.max_(self.max)
+
+
+def _fits(scheme: ActivationScheme, weights) -> bool:
+    if weights is None:
+        return False
+    if scheme.format == "fp8":
+        # W4AFP8 (vLLM's kernel for it reads groups of 128, compressed-tensors' preset too)
+        return weights.format == "fp8" or (weights.format == "int" and weights.bits == 4 and weights.symmetric)
+    return weights.format == scheme.format
 
 
 class Activations(LinearPass):
     name = "activations"
     Options = ActivationOptions
-    needs_data = False
     compresses = False  # the weights stay as the passes before it left them
-    leaves = frozenset({"input_quant"})
+    leaves = frozenset({"input_quant", "input_scale"})
+
+    def __init__(self, options, where):
+        super().__init__(options, where)
+        fmt = options.format
+        self.scheme = ActivationScheme(
+            8 if fmt == "fp8" else 4,
+            per_token=fmt == "fp8" and options.strategy == "token",
+            format=fmt,
+            static=options.static,
+        )
+        self.needs_data = self.scheme.calibrated
 
     def order_problem(self, before, after):
-        if not any(q.rounding is not None and q.rounding.format == "fp8" for q in before):
-            return "FP8 activations run with FP8 weights; put a quantization pass with format: fp8 before it"
+        rounding = [q.rounding for q in before if q.rounding is not None]
+        if not rounding or not _fits(self.scheme, rounding[-1]):
+            return (
+                f"{self.options.format} activations run with {WEIGHTS_FOR[self.options.format]}; "
+                "put a quantization pass with those weights before it"
+            )
         return None
 
     def apply(self, block, data, prefix: str) -> None:
-        scheme = ActivationScheme(8, per_token=self.options.strategy == "token", format="fp8")
-        for lin in self.targets(block, prefix).values():
-            scheme.attach(lin)
+        targets = self.targets(block, prefix)
+        largest = data.observe(self.target_groups(targets), _LargestInput) if self.needs_data else {}
+        for name, lin in targets.items():
+            self.scheme.attach(lin)
+            if self.scheme.calibrated:
+                InputScale.calibrated(largest[name].max, self.scheme, self.dtype).attach(lin)
+        # experts that saw too few tokens take the largest input their block's others saw
+        self.block_largest = max((s.max for s in largest.values()), default=None)
+
+    def without_data(self, block, prefix: str) -> None:
+        for lin in self.targets(block, prefix, starved=True).values():
+            self.scheme.attach(lin)
+            if self.scheme.calibrated:
+                InputScale.calibrated(self.block_largest, self.scheme, self.dtype).attach(lin)
 
     def summary(self) -> str:
-        return f"activations {ActivationScheme(8, self.options.strategy == 'token', 'fp8').describe()}"
+        return f"activations {self.scheme.describe()}"
