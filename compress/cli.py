@@ -149,7 +149,7 @@ def _decode(args) -> None:
     from .decode.datastore import Datastore
     from .decode.engine import Engine
     from .decode.methods import METHODS, Settings
-    from .formats.compressed_tensors import attach_integers, float_layout
+    from .formats.compressed_tensors import attach_integers, unsimulated_by_decoder
 
     device = _decode_device(args)
     loaded = models.load(args.model, models.parse_dtype(args.dtype))
@@ -157,12 +157,9 @@ def _decode(args) -> None:
     prompt = _prompt_ids(args, tokenizer).to(device)
     if Path(args.model).is_dir():
         attach_integers(model, args.model)  # the export's integers, for the int4/int8 kernels
-        layout, inputs = float_layout(args.model)
-        if layout or inputs:  # the engine's own forward, not the modules' hooks
-            done = [f"{layout} weights run dequantized"] if layout else []
-            done += [f"{inputs} inputs run unrounded"] if inputs else []
+        if parts := unsimulated_by_decoder(args.model):
             why = "no kernel here reads float grids yet; `compress eval` scores them as served"
-            print(f"[decode: {', '.join(done)}: {why}]", file=sys.stderr)
+            print(f"[decode: {', '.join(parts)}: {why}]", file=sys.stderr)
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
     sampling = decode.Sampling(args.temperature, args.top_p, args.seed)

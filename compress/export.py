@@ -24,6 +24,7 @@ import torch
 from . import factored, kv_quant, moe
 from .formats import bitsandbytes, compressed_tensors, gguf_file, peft_adapter
 from .formats.safetensors import MAX_SHARD_BYTES, ExportError, ShardWriter, umask
+from .kv_fp8 import KVScale
 from .quant import ActivationScheme, InputScale, QuantizedWeight, QuantScheme, input_quant_of, quantized_of
 from .sparsity import prune_mask_of
 from .state import LoRA, states_of
@@ -155,6 +156,7 @@ class Export:
         # compressed-tensors' format, from the first quantized linear: pack-quantized, int-quantized
         # (W8A8), or a float one
         self.format: str | None = None
+        self.fp8_kv_cache = False  # attentions with FP8 KV-cache scales: the config names the kv_cache_scheme
         self.totals = Totals()
 
     def _tensors_of(
@@ -202,7 +204,7 @@ class Export:
             for n, m in module.named_modules()
             if skip is None or not (n == skip or n.startswith(skip + "."))
         }
-        quantized, rounded, states = {}, {}, {}
+        quantized, rounded, states, kv_scales = {}, {}, {}, {}
         for m, name in name_of.items():
             states[name] = states_of(m)
             for state in states[name]:
@@ -230,6 +232,8 @@ class Export:
                 self.totals.replaced += m[0].in_features * m[1].out_features
             if (lora := LoRA.of(m)) is not None:
                 self.loras[name] = lora
+            if (kv := KVScale.of(m)) is not None:
+                kv_scales[name] = kv
         seen = set()
         renames = moe.checkpoint_renames(module, prefix)  # tensors named as the family's checkpoints name them
         for router in moe.routers(module, prefix):  # dense, and listed so that vLLM leaves it so
@@ -252,6 +256,10 @@ class Export:
             for state in states.get(owner, ()):
                 tensor = state.exported(leaf, tensor)
             self.shards.add(moe.renamed(key, renames), tensor)
+        for name, kv in kv_scales.items():
+            self.fp8_kv_cache = True
+            for k, t in kv.tensors(name).items():
+                self.shards.add(moe.renamed(k, renames), t)
 
     def _bitsandbytes_config(self, compressed_tensors: dict | None, dtype: torch.dtype) -> dict:
         """transformers' config for 4-bit bitsandbytes weights; one checkpoint holds one layout."""
@@ -272,7 +280,7 @@ class Export:
             config = model.config.to_dict()
             config.pop("auto_map", None)  # code references: an export runs no code from a repository
             config.pop("quantization_config", None)
-            qconfig = compressed_tensors.config(self.linears, self.format or "pack-quantized")
+            qconfig = compressed_tensors.config(self.linears, self.format or "pack-quantized", self.fp8_kv_cache)
             if self.rounded_4bit:
                 qconfig = self._bitsandbytes_config(qconfig, model.dtype)
             if qconfig is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import factored, kv_quant, moe
+from . import factored, kv_fp8, kv_quant, moe
 from .arch import arch_of, decoder_layers
 from .formats import bitsandbytes, compressed_tensors, peft_adapter
 from .formats.safetensors import Checkpoint, CheckpointError
@@ -93,12 +93,14 @@ class StreamedModel:
         subs = module.named_modules(prefix=prefix.rstrip(".")) if recurse else [(prefix.rstrip("."), module)]
         renames = moe.checkpoint_renames(module, prefix)  # Mixtral's experts are under another name on disk
         wanted = []  # (module name, its name on disk, module, leaf, quantization scheme or None, checkpoint keys)
-        wanted_inputs = []  # (module name, module, [key of its calibrated input scale])
+        wanted_scales = []  # (module name, module, its calibrated scales' keys, the state they make)
         for name, sub in subs:
             scheme = self.quantized.scheme_of(name, sub) if self.quantized else None
             stored = moe.renamed(name, renames)
             if scheme is not None and (act := ActivationScheme.of(sub)) is not None and act.calibrated:
-                wanted_inputs.append((name, sub, self.quantized.input_keys(stored, ckpt)))
+                wanted_scales.append((name, sub, self.quantized.input_keys(stored, ckpt), InputScale))
+            if getattr(self.quantized, "fp8_kv_cache", False) and kv_fp8.is_attention(sub):
+                wanted_scales.append((name, sub, [f"{stored}.k_scale", f"{stored}.v_scale"], kv_fp8.KVScale))
             for leaf, _ in sub.named_parameters(recurse=False):
                 if leaf == "weight" and scheme is not None:  # decompressed as its library does it
                     keys = self.quantized.keys(stored, ckpt)
@@ -107,12 +109,13 @@ class StreamedModel:
                 if keys[0] not in ckpt:
                     raise CheckpointError(f"{ckpt.folder} has no tensor {keys[0]} (a checkpoint of another model?)")
                 wanted.append((name, stored, sub, leaf, scheme if leaf == "weight" else None, keys))
-        for name, _, keys in wanted_inputs:
-            if not keys:
-                raise CheckpointError(f"{ckpt.folder} has no calibrated input scale for {name} (its config names one)")
-        tensors = ckpt.read([k for *_, keys in wanted + wanted_inputs for k in keys])
-        for _, sub, keys in wanted_inputs:
-            InputScale(tensors.pop(keys[0])).attach(sub)
+        for name, _, keys, _ in wanted_scales:
+            if not keys or any(k not in ckpt for k in keys):
+                raise CheckpointError(f"{ckpt.folder} lacks the calibrated scales of {name} that its config names")
+        scale_keys = [k for _, _, keys, _ in wanted_scales for k in keys]
+        tensors = ckpt.read([k for *_, keys in wanted for k in keys] + scale_keys)
+        for _, sub, keys, kind in wanted_scales:
+            kind(*(tensors.pop(k) for k in keys)).attach(sub)
         for name, stored, sub, leaf, scheme, keys in wanted:
             if scheme is not None:
                 value = self.quantized.weight({k[len(stored) + 1 :]: tensors.pop(k) for k in keys}, scheme)

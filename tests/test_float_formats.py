@@ -204,3 +204,46 @@ def test_fp4_activations_round_per_group_under_the_calibrated_global_scale():
     torch.testing.assert_close(codes.abs(), halves)  # E2M1 values, up to float32's rounding of the division
     assert torch.isin(halves, FP4_VALUES).all()
     assert (halves.amax(-1) == 6).all()
+
+
+@pytest.mark.parametrize("weights", ["", "  - rtn: {format: fp8}\n  - activations: {format: fp8}\n"])
+def test_fp8_kv_cache_is_calibrated_exported_as_vllm_reads_it_and_reloads_to_our_logits(weights, tmp_path):
+    """Each attention's k_scale / v_scale is the largest |key| / |value| over 448, every key and value
+    is read rounded, and our reader computes our logits from the export. transformers 5.24 loads it but
+    runs the cache unrounded: compressed-tensors 0.20 hooks the cache argument by its old names
+    (``past_key_values``), which transformers now calls ``cache`` (docs/formats.md)."""
+    from compress import lazy
+    from compress.kv_fp8 import KVScale, round_fp8
+
+    model = tiny("llama")
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    recipe = compress_with(model, weights + "  - kv_fp8: {}\n", ids)
+    scales = [KVScale.of(layer.self_attn) for layer in model.model.layers]
+    x = torch.randn(5) * 3
+    assert torch.equal(round_fp8(x, torch.tensor([1.0])), x.to(torch.float8_e4m3fn).float())
+    reloaded = export_and_reload(model, recipe, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    scheme = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
+    assert {k: config["kv_cache_scheme"][k] for k in scheme} == scheme
+    streamed = lazy.open_model(tmp_path / "out", torch.float32).load_all()
+    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model.float()(probe).logits
+        torch.testing.assert_close(streamed(probe).logits, ours, rtol=0, atol=0)
+        for layer in model.model.layers:
+            KVScale.drop(layer.self_attn)
+        assert not torch.equal(model(probe).logits, ours)  # the rounding changes what the model computes
+    for layer, kv in zip(streamed.model.layers, scales, strict=True):
+        assert torch.equal(KVScale.of(layer.self_attn).k_scale, kv.k_scale)
+        assert torch.equal(KVScale.of(layer.self_attn).v_scale, kv.v_scale)
+    for name, module in reloaded.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            assert torch.equal(module.weight.float(), dict(model.named_modules())[name].weight), name
+
+
+def test_fp8_kv_cache_refuses_a_second_kv_cache():
+    with pytest.raises(RecipeError, match="one KV cache"):
+        parse("passes:\n  - kv_cache: {bits: 4}\n  - kv_fp8: {}\n")

@@ -119,17 +119,23 @@ def _float_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
     return out
 
 
-def config(linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None], fmt: str) -> dict | None:
+def config(
+    linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None], fmt: str, fp8_kv_cache: bool = False
+) -> dict | None:
     """compressed-tensors config: one group per distinct scheme, every other linear ignored.
-    ``linears`` maps each linear's name to its (weight, input) schemes, None when dense."""
+    ``linears`` maps each linear's name to its (weight, input) schemes, None when dense; with
+    ``fp8_kv_cache`` the ``kv_cache_scheme`` of an FP8 cache with static per-layer scales
+    (``compress/kv_fp8.py``), the only entry when no linear is quantized (format ``dense``)."""
     import compressed_tensors
-    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    from ..kv_fp8 import SCHEME
 
     by_scheme: dict[tuple[QuantScheme, ActivationScheme | None], list[str]] = {}
     for name, schemes in linears.items():
         if schemes is not None:
             by_scheme.setdefault(schemes, []).append(name)
-    if not by_scheme:
+    if not by_scheme and not fp8_kv_cache:
         return None
     single = len(by_scheme) == 1
     groups = {
@@ -145,7 +151,11 @@ def config(linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None
     }
     dense = [name for name, schemes in linears.items() if schemes is None]
     config = QuantizationConfig(
-        config_groups=groups, format=fmt, quantization_status="compressed", ignore=dense if single else []
+        config_groups=groups,
+        format=fmt if groups else "dense",
+        quantization_status="compressed",
+        ignore=dense if single else [],
+        kv_cache_scheme=QuantizationArgs(**SCHEME) if fp8_kv_cache else None,
     )
     data = config.model_dump(exclude=["quant_method"])
     data.update(
@@ -169,6 +179,8 @@ class Reader:
         self.compressor = BaseCompressor.get_value_from_registry(config.format)
         self.ignore = set(config.ignore or [])
         self.groups = list(config.config_groups.values())
+        # an FP8 KV cache (``kv_cache_scheme``): each attention stores ``k_scale`` and ``v_scale``
+        self.fp8_kv_cache = config.kv_cache_scheme is not None
 
     def scheme_of(self, name: str, module: torch.nn.Module):
         """The compressed-tensors scheme of linear ``name``, None when it is stored dense."""
@@ -236,14 +248,17 @@ class Reader:
         return QuantizedWeight(ours, q.to(torch.int8), scale, zero.to(torch.int8))
 
 
-def float_layout(folder: str | Path) -> tuple[str | None, str | None]:
-    """(the export's float weight layout, e.g. ``nvfp4-pack-quantized``, or None; ``FP8`` or ``FP4``
-    when its linears read float inputs, or None)."""
+def unsimulated_by_decoder(folder: str | Path) -> list[str]:
+    """What of the export's float formats the CPU decode engine runs in 16 bits (it has no float
+    kernels): float weights dequantized, float inputs and an FP8 KV cache unrounded."""
     config = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
-    layout = config.get("format") if config.get("format") in FLOAT_FORMATS.values() else None
+    parts = [f"{config['format']} weights run dequantized"] if config.get("format") in FLOAT_FORMATS.values() else []
     inputs = [g.get("input_activations") or {} for g in (config.get("config_groups") or {}).values()]
-    bits = {a.get("num_bits") for a in inputs if a.get("type") == "float"}
-    return layout, ("FP4" if 4 in bits else "FP8") if bits else None
+    if bits := {a.get("num_bits") for a in inputs if a.get("type") == "float"}:
+        parts.append(f"{'FP4' if 4 in bits else 'FP8'} inputs run unrounded")
+    if config.get("kv_cache_scheme"):
+        parts.append("the FP8 KV cache runs in 16 bits")
+    return parts
 
 
 def attach_integers(model: torch.nn.Module, folder: str | Path) -> int:

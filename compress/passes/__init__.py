@@ -7,6 +7,7 @@ from .blockwise import Blockwise
 from .distill import Distill
 from .gptq import GPTQ
 from .kv_cache import KVCachePass
+from .kv_fp8 import KVFP8
 from .lorc import LoRC
 from .lowrank import LowRank
 from .magnitude import Magnitude
@@ -28,6 +29,7 @@ PASSES = (
     SmoothQuant,
     Activations,
     KVCachePass,
+    KVFP8,
     Blockwise,
     Distill,
     QLoRA,
