@@ -176,7 +176,7 @@ class Export:
         act = input_quant_of(linear)
         if act is not None and act.format != "int":
             w4afp8 = act.format == "fp8" and qw.scheme.format == "int" and qw.scheme.bits == 4 and qw.scheme.symmetric
-            if act.format != qw.scheme.format and not w4afp8:
+            if act.format != qw.scheme.format.removesuffix("_block") and not w4afp8:
                 raise ExportError(
                     f"{name} has {act.format} activations but {qw.scheme.describe()} weights; "
                     f"{act.format} activations need {act.format} weights (or, for fp8, symmetric int4)"

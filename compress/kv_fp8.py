@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from .quant import FP8_MAX
+from .quant import FP8_MAX, round_fp8
 from .state import State
 
 # what compressed-tensors' config calls it (``kv_cache_scheme``), and vLLM reads
@@ -30,12 +30,6 @@ def is_attention(module: torch.nn.Module) -> bool:
 
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if is_attention(m)]
-
-
-def round_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x`` rounded to E4M3 times ``scale``, in float32 as vLLM's cache write computes it."""
-    scale = scale.to(x.device)
-    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
 
 
 class KVScale(State, attr="kv_fp8"):

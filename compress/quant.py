@@ -5,7 +5,9 @@ Integers use the signed range of compressed-tensors (4 bits: -8..7) and
 exported checkpoint dequantizes to. No pass rounds weights by itself.
 
 Float formats put ``q`` on a float grid instead (``w ≈ q * scale``, symmetric), as GPU servers
-run them: ``fp8`` (E4M3 values, a scale per output channel in the storage dtype), ``nvfp4``
+run them: ``fp8`` (E4M3 values, a scale per output channel in the storage dtype), ``fp8_block``
+(E4M3 values, one scale per tile of 128 × 128 weights: ``scale`` holds it on each of the tile's
+rows, so every reader of a scale per row and group works unchanged), ``nvfp4``
 (E2M1 values; a scale per 16 weights stored as FP8 E4M3 under one float32 global scale per
 tensor, ``scale = fp8 / global``) and ``mxfp4`` (E2M1 values, a power-of-two scale per 32
 weights). Each scale is rounded to what the format stores *before* any weight is rounded with
@@ -23,7 +25,14 @@ from .state import State
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 # format -> (bits, group size it fixes (None: any), largest grid value)
-FORMATS = {"int": (None, None, None), "fp8": (8, -1, 448.0), "nvfp4": (4, 16, 6.0), "mxfp4": (4, 32, 6.0)}
+FORMATS = {
+    "int": (None, None, None),
+    "fp8": (8, -1, 448.0),
+    "fp8_block": (8, 128, 448.0),
+    "nvfp4": (4, 16, 6.0),
+    "mxfp4": (4, 32, 6.0),
+}
+BLOCK_ROWS = 128  # fp8_block's tiles are BLOCK_ROWS output rows by its group size of inputs
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1's magnitudes
 FP8_MAX = 448.0  # E4M3's largest value
 AUTO_GROUP_SIZES = (128, 64, 32)
@@ -97,6 +106,7 @@ class QuantScheme:
     def bits_per_weight(self, in_features: int, scale_bits: int = 16) -> float:
         """Storage cost per weight including scales and packed zero-points."""
         group = in_features if self.group_size == -1 else self.group_size
+        group *= BLOCK_ROWS if self.format == "fp8_block" else 1
         extra = scale_bits + (0 if self.symmetric else self.bits)
         return self.bits + extra / group
 
@@ -108,6 +118,7 @@ class QuantScheme:
 
     def describe(self) -> str:
         g = "channel" if self.group_size == -1 else f"g{self.group_size}"
+        g = f"{BLOCK_ROWS}x{self.group_size}" if self.format == "fp8_block" else g
         mse = " mse" if self.observer == "mse" else ""
         if self.is_float:
             return f"{self.format.upper()} {g}{mse}"
@@ -183,8 +194,8 @@ def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, gl
     out_features, in_features = w.shape
     groups = scheme.groups(in_features)
     wg = w.float().reshape(out_features, groups, -1)
-    wmin = wg.amin(-1).clamp(max=0)
-    wmax = wg.amax(-1).clamp(min=0)
+    wmin = per_block(wg.amin(-1).clamp(max=0), scheme, torch.amin)
+    wmax = per_block(wg.amax(-1).clamp(min=0), scheme, torch.amax)
     if scheme.observer == "minmax":
         return _range_qparams(wmin, wmax, scheme, dtype, global_scale)
     w = w.float()
@@ -192,7 +203,7 @@ def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, gl
     for shrink in MSE_SHRINKS:
         scale, zero = _range_qparams(wmin * shrink, wmax * shrink, scheme, dtype, global_scale)
         rounded = dequantize(quantize(w, scale, zero, scheme), scale, zero, torch.float32)
-        error = (rounded - w).reshape(wg.shape).abs().pow(MSE_NORM).sum(-1)
+        error = per_block((rounded - w).reshape(wg.shape).abs().pow(MSE_NORM).sum(-1), scheme, torch.sum)
         if best_error is None:
             best_error, best_scale, best_zero = error, scale, zero
             continue
@@ -200,6 +211,15 @@ def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, gl
         best_error = torch.where(better, error, best_error)
         best_scale, best_zero = torch.where(better, scale, best_scale), torch.where(better, zero, best_zero)
     return best_scale, best_zero
+
+
+def per_block(t: torch.Tensor, scheme: QuantScheme, reduce) -> torch.Tensor:
+    """``t`` (out, groups) reduced over each fp8_block tile's rows and held on every one of them; else ``t``."""
+    if scheme.format != "fp8_block":
+        return t
+    out_features, groups = t.shape
+    tiles = reduce(t.reshape(out_features // BLOCK_ROWS, BLOCK_ROWS, groups), 1, keepdim=True)
+    return tiles.expand(-1, BLOCK_ROWS, -1).reshape(out_features, groups)
 
 
 def _range_qparams(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, global_scale=None):
@@ -313,13 +333,9 @@ class ActivationScheme(State, attr="input_quant"):
     per_token: bool = True
     format: str = "int"  # or "fp8", "nvfp4", "mxfp4"
     static: bool = False  # fp8 per tensor: the scale is calibrated, not taken from each input
+    group_size: int | None = None  # values per dynamic scale along each token: nvfp4 16, mxfp4 32, fp8 128 or none
 
     holds_tensors: ClassVar[bool] = False
-
-    @property
-    def group_size(self) -> int | None:
-        """Values per dynamic scale for the FP4 formats (16, 32), else None."""
-        return FORMATS[self.format][1] if self.format in ("nvfp4", "mxfp4") else None
 
     @property
     def calibrated(self) -> bool:
@@ -328,7 +344,7 @@ class ActivationScheme(State, attr="input_quant"):
 
     def describe(self) -> str:
         if self.group_size is not None:
-            return f"A4 {self.format.upper()} g{self.group_size} dynamic"
+            return f"A{self.bits} {self.format.upper()} g{self.group_size} dynamic"
         kind = "FP8 " if self.format == "fp8" else ""
         how = "static" if self.static else "dynamic"
         return f"A{self.bits} {kind}{'per-token' if self.per_token else 'per-tensor'} {how}"
@@ -376,35 +392,41 @@ class InputScale(State, attr="input_scale"):
 _FP4_SCHEMES = {f: QuantScheme(4, FORMATS[f][1], True, format=f) for f in ("nvfp4", "mxfp4")}
 
 
+def round_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded to E4M3 times ``scale`` (broadcast), computed in float32 as FP8 kernels quantize."""
+    scale = scale.float().clamp(min=1e-12).to(x.device)
+    return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+
+
 def fake_quantize_activation(
     x: torch.Tensor, scheme: ActivationScheme, calibrated: InputScale | None = None
 ) -> torch.Tensor:
     """What the kernel's matmul sees of ``x``, in compressed-tensors' conventions (which transformers
     simulates too): integers with ``scale = max|x| / ((2^b - 1) / 2)``; FP8 with ``max|x| / 448``
-    (the calibrated scale when static); FP4 per group of 16 / 32 values with the weights' NVFP4
-    scale (an FP8 number over the calibrated global scale) or MX's power of two, which for
-    activations follows the OCP rule the kernels use (the group's max rounded to E2M1's precision,
-    its exponent less 2: a few values past 6 clip, unlike our weights' scales, which never clip)."""
+    per token, per token and group, per tensor, or calibrated (static); FP4 per group of 16 / 32
+    values with the weights' NVFP4 scale (an FP8 number over the calibrated global scale) or MX's
+    power of two, which for activations follows the OCP rule the kernels use (the group's max
+    rounded to E2M1's precision, its exponent less 2: a few values past 6 clip, unlike our weights'
+    scales, which never clip)."""
     if scheme.group_size is not None:
+        groups = x.unflatten(-1, (-1, scheme.group_size))
+        amax = groups.float().abs().amax(-1, keepdim=True)
+        if scheme.format == "fp8":
+            return round_fp8(groups, amax / FP8_MAX).flatten(-2)
         fp4 = _FP4_SCHEMES[scheme.format]
-        groups = x.float().unflatten(-1, (-1, scheme.group_size))
-        amax = groups.abs().amax(-1, keepdim=True)
         if scheme.format == "nvfp4":
             scale = _float_scale(amax, fp4, torch.float32, calibrated.value.to(x.device))
         else:
             mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2^exponent, 0.5 <= mantissa < 1
             scale = torch.exp2((exponent - 1 + (mantissa >= 0.875).int() - 2).clamp(-127, 127).float())
-        return (to_grid(groups / scale, None, fp4, even_ties=True) * scale).flatten(-2).to(x.dtype)
+        return (to_grid(groups.float() / scale, None, fp4, even_ties=True) * scale).flatten(-2).to(x.dtype)
     if scheme.static:
-        scale = calibrated.value.to(x.device)
-    else:
-        amax = x.abs().amax(-1, keepdim=True) if scheme.per_token else x.abs().amax()
-        scale = amax.float() / (FP8_MAX if scheme.format == "fp8" else (2**scheme.bits - 1) / 2)
+        return round_fp8(x, calibrated.value)
+    amax = (x.abs().amax(-1, keepdim=True) if scheme.per_token else x.abs().amax()).float()
     if scheme.format == "fp8":
-        scale = scale.clamp(min=1e-12)
-        return ((x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float() * scale).to(x.dtype)
+        return round_fp8(x, amax / FP8_MAX)
     qmax = 2 ** (scheme.bits - 1) - 1
-    scale = scale.clamp(min=1e-8)
+    scale = (amax / ((2**scheme.bits - 1) / 2)).clamp(min=1e-8)
     return (torch.round(x.float() / scale).clamp(-qmax - 1, qmax) * scale).to(x.dtype)
 
 

@@ -8,7 +8,7 @@ import torch
 
 from compress.column_sweep import obs_sweep
 from compress.passes import RecipeError
-from compress.quant import FP4_VALUES, QuantScheme, quantize_weight
+from compress.quant import FP4_VALUES, QuantScheme, quantize_weight, quantized_of
 from compress.recipe import parse
 from tests.conftest import compress_with, export_and_reload, tiny
 
@@ -16,10 +16,11 @@ SCHEMES = {
     "fp8": QuantScheme(8, -1, True, format="fp8"),
     "nvfp4": QuantScheme(4, 16, True, format="nvfp4"),
     "mxfp4": QuantScheme(4, 32, True, format="mxfp4"),
+    "fp8_block": QuantScheme(8, 128, True, format="fp8_block"),
 }
 
 
-def _weight(rows=64, cols=128, seed=0):
+def _weight(rows=128, cols=128, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 0.05
 
@@ -28,7 +29,7 @@ def _weight(rows=64, cols=128, seed=0):
 def test_values_and_scales_lie_on_the_grids_the_format_stores(fmt):
     qw = quantize_weight(_weight(), SCHEMES[fmt], torch.bfloat16)
     q = qw.q.float()
-    if fmt == "fp8":
+    if fmt.startswith("fp8"):
         assert qw.q.dtype == torch.float8_e4m3fn and qw.scale.dtype == torch.bfloat16
     else:
         assert set(q.abs().unique().tolist()) <= set(FP4_VALUES.tolist())
@@ -39,14 +40,14 @@ def test_values_and_scales_lie_on_the_grids_the_format_stores(fmt):
         assert torch.equal(torch.exp2(torch.log2(qw.scale).round()), qw.scale)
     w = qw.dequantized().float()
     error = (w - _weight()).pow(2).mean() / _weight().pow(2).mean()
-    assert error < (0.001 if fmt == "fp8" else 0.02)
+    assert error < (0.001 if fmt.startswith("fp8") else 0.02)
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4", "fp8_block"])
 def test_gptq_on_a_float_grid_beats_rounding_to_nearest_on_correlated_inputs(fmt):
     """The sweep rounds onto the same grid (its scales rounded as stored before it starts) and its
     output error is lower than round-to-nearest's, as GPTQ's is at INT4."""
-    w = _weight()
+    w = _weight(rows=256)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(512, 16, generator=g) @ torch.randn(16, 128, generator=g) + 0.1 * torch.randn(512, 128, generator=g)
     H = 2 * x.T @ x / len(x)
@@ -194,7 +195,7 @@ def test_fp4_activations_round_per_group_under_the_calibrated_global_scale():
     from compress.quant import ActivationScheme, InputScale, fake_quantize_activation
 
     x = torch.randn(3, 64) * torch.linspace(0.1, 10, 64)
-    scheme = ActivationScheme(4, False, "nvfp4")
+    scheme = ActivationScheme(4, False, "nvfp4", group_size=16)
     calibrated = InputScale.calibrated(x.abs().amax(), scheme, torch.float32)
     torch.testing.assert_close(calibrated.value, 448 * 6 / x.abs().amax().reshape(1))
     groups = x.unflatten(-1, (-1, 16))
@@ -213,7 +214,8 @@ def test_fp8_kv_cache_is_calibrated_exported_as_vllm_reads_it_and_reloads_to_our
     runs the cache unrounded: compressed-tensors 0.20 hooks the cache argument by its old names
     (``past_key_values``), which transformers now calls ``cache`` (docs/formats.md)."""
     from compress import lazy
-    from compress.kv_fp8 import KVScale, round_fp8
+    from compress.kv_fp8 import KVScale
+    from compress.quant import round_fp8
 
     model = tiny("llama")
     for p in model.parameters():
@@ -247,3 +249,42 @@ def test_fp8_kv_cache_is_calibrated_exported_as_vllm_reads_it_and_reloads_to_our
 def test_fp8_kv_cache_refuses_a_second_kv_cache():
     with pytest.raises(RecipeError, match="one KV cache"):
         parse("passes:\n  - kv_cache: {bits: 4}\n  - kv_fp8: {}\n")
+
+
+def test_fp8_block_holds_one_scale_per_tile_and_exports_as_the_preset(tmp_path):
+    """FP8_BLOCK: one scale per 128 × 128 tile (held on each of its rows), weights on E4M3, inputs per
+    token and group of 128; the export reloads in transformers to our float32 logits."""
+    from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
+
+    from compress import lazy
+
+    model = tiny("llama", hidden=512)  # every width a multiple of 128
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    recipe = compress_with(model, "  - rtn: {format: fp8_block}\n  - activations: {format: fp8, strategy: group}\n")
+    qw = quantized_of(model.model.layers[0].mlp.down_proj)
+    assert qw.scale.shape == (512, 8) and torch.equal(qw.scale[:128], qw.scale[:1].expand(128, -1))
+    assert not torch.equal(qw.scale[0], qw.scale[128])
+    tile = model.model.layers[0].mlp.down_proj.weight[:128, :128].float()
+    torch.testing.assert_close(tile.abs().amax() / 448, qw.scale[0, 0].float(), rtol=1e-2, atol=0)
+    reloaded = export_and_reload(model, recipe, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    (group,) = config["config_groups"].values()
+    for part in ("weights", "input_activations"):
+        theirs = PRESET_SCHEMES["FP8_BLOCK"][part].model_dump(mode="json")
+        assert {k: group[part].get(k) for k in theirs} == theirs, part
+    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    streamed = lazy.open_model(tmp_path / "out", torch.float32).load_all()
+    with torch.no_grad():
+        ours = model.float()(probe).logits
+        for other in (streamed, torch.nn.Module.float(reloaded)):  # transformers refuses .float() on a quantized model
+            torch.testing.assert_close(other(probe).logits, ours, rtol=0, atol=0)
+
+
+def test_fp8_block_refuses_a_linear_the_tiles_do_not_fit():
+    model = tiny("llama")  # widths of 64: no 128 × 128 tile fits
+    with pytest.raises(
+        RecipeError, match="fp8_block tiles weights 128 × 128, which do not fit.*add those linears to ignore"
+    ):
+        compress_with(model, "  - rtn: {format: fp8_block}\n")

@@ -23,13 +23,18 @@ from pathlib import Path
 
 import torch
 
-from ..quant import ActivationScheme, QuantizedWeight, QuantScheme
+from ..quant import BLOCK_ROWS, ActivationScheme, QuantizedWeight, QuantScheme
 from .safetensors import Checkpoint
 
 PARTS = ("weight", "weight_packed", "weight_scale", "weight_global_scale", "weight_zero_point", "weight_shape")
 INPUT_PARTS = ("input_scale", "input_global_scale")  # calibrated input scales (``input_tensors``)
 # a weight format -> the export's compressed-tensors format (integers: pack-quantized, or int-quantized for W8A8)
-FLOAT_FORMATS = {"fp8": "float-quantized", "nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+FLOAT_FORMATS = {
+    "fp8": "float-quantized",
+    "fp8_block": "float-quantized",
+    "nvfp4": "nvfp4-pack-quantized",
+    "mxfp4": "mxfp4-pack-quantized",
+}
 
 
 def export_format(scheme: QuantScheme, int8_inputs: bool) -> str:
@@ -40,14 +45,18 @@ def export_format(scheme: QuantScheme, int8_inputs: bool) -> str:
 
 
 def weight_args(scheme: QuantScheme):
-    """compressed-tensors' description of our weights (as its presets ``FP8_DYNAMIC``'s weights,
-    ``NVFP4A16``, ``MXFP4A16`` describe the float ones)."""
+    """compressed-tensors' description of our weights (as its presets ``FP8_DYNAMIC``'s and
+    ``FP8_BLOCK``'s weights, ``NVFP4A16``, ``MXFP4A16`` describe the float ones)."""
     from compressed_tensors.quantization import QuantizationArgs
 
     if scheme.format == "nvfp4":
         extra = dict(strategy="tensor_group", scale_dtype=torch.float8_e4m3fn, zp_dtype=torch.float8_e4m3fn)
     elif scheme.format == "mxfp4":
         extra = dict(strategy="group", scale_dtype=torch.uint8, zp_dtype=torch.uint8)
+    elif scheme.format == "fp8_block":
+        return QuantizationArgs(
+            num_bits=8, type="float", symmetric=True, strategy="block", block_structure=[BLOCK_ROWS, scheme.group_size]
+        )
     else:
         extra = dict(strategy="channel" if scheme.group_size == -1 else "group")
     return QuantizationArgs(
@@ -68,6 +77,8 @@ def _activation_args(scheme: ActivationScheme):
         extra = dict(strategy="tensor_group", group_size=16, dynamic="local", scale_dtype=torch.float8_e4m3fn)
     elif scheme.format == "mxfp4":
         extra = dict(strategy="group", group_size=32, dynamic=True, scale_dtype=torch.uint8)
+    elif scheme.group_size is not None:  # FP8 per token and group of 128 (FP8_BLOCK)
+        extra = dict(strategy="group", group_size=scheme.group_size, dynamic=True)
     else:
         extra = dict(strategy="token" if scheme.per_token else "tensor", dynamic=not scheme.static)
     return QuantizationArgs(
@@ -110,6 +121,8 @@ def _float_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
 
     if qw.scheme.format == "fp8":
         return {f"{name}.weight": qw.q, f"{name}.weight_scale": qw.scale}
+    if qw.scheme.format == "fp8_block":  # one scale per tile: the first of its rows'
+        return {f"{name}.weight": qw.q, f"{name}.weight_scale": qw.scale[::BLOCK_ROWS].contiguous()}
     out = {f"{name}.weight_packed": pack_fp4_to_uint8(qw.q.float())}
     if qw.scheme.format == "nvfp4":  # scale = fp8 / global, so fp8 = scale * global (exact: it was fp8 / global)
         out[f"{name}.weight_scale"] = (qw.scale * qw.global_scale).to(torch.float8_e4m3fn)
@@ -205,7 +218,8 @@ class Reader:
         if act.type == "int":
             return ActivationScheme(act.num_bits, per_token=act.strategy == "token")
         fmt = {4: "nvfp4" if act.strategy == "tensor_group" else "mxfp4", 8: "fp8"}[act.num_bits]
-        return ActivationScheme(act.num_bits, act.strategy == "token", fmt, static=fmt == "fp8" and not act.dynamic)
+        static = fmt == "fp8" and not act.dynamic
+        return ActivationScheme(act.num_bits, act.strategy == "token", fmt, static, act.group_size)
 
     def input_keys(self, stored: str, checkpoint) -> list[str]:
         """The calibrated input scale linear ``stored`` keeps (``input_tensors``), as a list of at most one key."""

@@ -31,7 +31,8 @@ WEIGHTS_FOR = {"fp8": "fp8 weights, or symmetric int4 (W4AFP8)", "nvfp4": "nvfp4
 
 class ActivationOptions(LinearOptions):
     format: Literal["fp8", "nvfp4", "mxfp4"] = "fp8"
-    strategy: Literal["token", "tensor"] = "token"  # fp8: a scale per token, or one per tensor
+    # fp8: a scale per token, per token and group of 128 values (with fp8_block weights), or one per tensor
+    strategy: Literal["token", "group", "tensor"] = "token"
     static: bool = False  # fp8, per tensor: one scale calibrated on the calibration data
 
     @model_validator(mode="after")
@@ -62,7 +63,9 @@ def _fits(scheme: ActivationScheme, weights) -> bool:
         return False
     if scheme.format == "fp8":
         # W4AFP8 (vLLM's kernel for it reads groups of 128, compressed-tensors' preset too)
-        return weights.format == "fp8" or (weights.format == "int" and weights.bits == 4 and weights.symmetric)
+        return weights.format in ("fp8", "fp8_block") or (
+            weights.format == "int" and weights.bits == 4 and weights.symmetric
+        )
     return weights.format == scheme.format
 
 
@@ -75,11 +78,13 @@ class Activations(LinearPass):
     def __init__(self, options, where):
         super().__init__(options, where)
         fmt = options.format
+        group = {"nvfp4": 16, "mxfp4": 32}.get(fmt, 128 if options.strategy == "group" else None)
         self.scheme = ActivationScheme(
             8 if fmt == "fp8" else 4,
             per_token=fmt == "fp8" and options.strategy == "token",
             format=fmt,
             static=options.static,
+            group_size=group,
         )
         self.needs_data = self.scheme.calibrated
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .. import moe
 from ..arch import arch_of, block_linears, decoder_layers
-from ..quant import FORMATS, QuantScheme, attach, global_scale_of, quantize_weight, resolve_group_size
+from ..quant import BLOCK_ROWS, FORMATS, QuantScheme, attach, global_scale_of, quantize_weight, resolve_group_size
 from ..sparsity import Pattern, parse_pattern, prune_by_magnitude
 
 
@@ -171,7 +171,7 @@ class QuantSpec(PassOptions):
     # how a group's scale is chosen: its min/max, or the clipped range that rounds best (``quant``)
     observer: Literal["minmax", "mse"] = "minmax"
     # the grid: integers, or a float format GPU servers run (``quant``), which fixes bits and group size
-    format: Literal["int", "fp8", "nvfp4", "mxfp4"] = "int"
+    format: Literal["int", "fp8", "fp8_block", "nvfp4", "mxfp4"] = "int"
 
     @field_validator("group_size")
     @classmethod
@@ -187,6 +187,7 @@ class QuantSpec(PassOptions):
         bits, group, _ = FORMATS[self.format]
         given = self.model_fields_set
         per = "per channel" if group == -1 else f"per {group} weights"
+        per = f"per tile of {BLOCK_ROWS} × {group} weights" if self.format == "fp8_block" else per
         fixed = f"{self.format} stores {bits}-bit values with one scale {per}"
         if "bits" in given and self.bits != bits or "group_size" in given and self.group_size not in ("auto", group):
             raise ValueError(f"{fixed}: drop bits and group_size (or set bits: {bits}, group_size: {group})")
@@ -209,8 +210,17 @@ def _listed(bad: list[tuple[str, int]]) -> str:
     return listed + (f" and {len(bad) - 4} more" if len(bad) > 4 else "")
 
 
-def resolve_scheme(spec: QuantSpec, widths: dict[str, int], where: str) -> QuantScheme:
-    """The scheme for layers of these input widths; a group size that does not divide one names it."""
+def resolve_scheme(spec: QuantSpec, widths: dict[str, tuple[int, int]], where: str) -> QuantScheme:
+    """The scheme for layers of these (input, output) widths; a group size that does not divide one names it."""
+    if spec.format == "fp8_block":
+        bad = sorted({(_shape_pattern(n), w) for n, w in widths.items() if w[0] % 128 or w[1] % BLOCK_ROWS})
+        if bad:
+            listed = ", ".join(f"{n} ({i} × {o})" for n, (i, o) in bad[:4]) + (" and more" if len(bad) > 4 else "")
+            raise RecipeError(
+                f"{where}.format: fp8_block tiles weights {BLOCK_ROWS} × 128, which do not fit (inputs × outputs) "
+                f"{listed}; add those linears to ignore, or use format: fp8 (a scale per channel)"
+            )
+    widths = {n: w[0] for n, w in widths.items()}
     g = resolve_group_size(spec.group_size, list(widths.values()))
     if g != -1:
         bad = sorted({(_shape_pattern(n), w) for n, w in widths.items() if w % g})
@@ -251,7 +261,7 @@ class LinearPass(LayerPass):
         return [g for g in (tuple(n for n in grp if n in targets) for grp in self.arch.groups) if g]
 
     def check(self, model: torch.nn.Module) -> None:
-        """Resolve targets on the model; ``self.widths`` maps each targeted linear to its input width."""
+        """Resolve targets on the model; ``self.widths`` maps each targeted linear to its (input, output) widths."""
         self.arch = arch_of(model)
         self.dtype = model.dtype  # storage dtype: scales are rounded to it (blocks may compute in float32)
         prefix = self.arch.layers + "."
@@ -260,7 +270,7 @@ class LinearPass(LayerPass):
             if not any(matches(n, pattern) for n in all_names):
                 warnings.warn(f"{self.where}.ignore: pattern {pattern!r} matches no linear layer", stacklevel=2)
         self.widths = {
-            f"{prefix}{i}.{name}": lin.in_features
+            f"{prefix}{i}.{name}": (lin.in_features, lin.out_features)
             for i, block in enumerate(decoder_layers(model))
             for name, lin in self.targets(block, f"{prefix}{i}.").items()
         }
@@ -338,7 +348,7 @@ class PrunePass(LinearPass):
         super().check(model)
         self.pattern = parse_pattern(self.options.pattern, self.options.sparsity)
         m = self.pattern.m
-        bad = {n: w for n, w in self.widths.items() if m and w % m}
+        bad = {n: w for n, (w, _) in self.widths.items() if m and w % m}
         if bad and not self.options.skip_indivisible:
             raise RecipeError(
                 f"{self.where}.pattern: {self.options.pattern} needs input widths divisible by {m}, "
