@@ -260,13 +260,12 @@ def to_grid(x: torch.Tensor, zero: torch.Tensor | None, scheme: QuantScheme, eve
         return (torch.round(x) + zero).clamp(scheme.qmin, scheme.qmax)
     if scheme.bits == 8:
         return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    values = FP4_VALUES.to(x.device)
-    magnitude, midpoints = x.abs().clamp(max=values[-1]), (values[1:] + values[:-1]) / 2
-    index = torch.bucketize(magnitude, midpoints)  # a tie goes to the lower value
-    if even_ties:
-        tie = magnitude == midpoints[index.clamp(max=len(midpoints) - 1)]
-        index = index + (tie & (index % 2 == 1))
-    return values[index] * torch.sign(x)
+    # E2M1's values are multiples of 0.5 up to 2, of 1 up to 4, of 2 up to 6: round on that step
+    # (a power of two, so the divisions are exact); a tie rounds down, or to the even code
+    magnitude = x.abs().clamp(max=FP4_VALUES[-1].item())
+    step = torch.where(magnitude <= 2, 0.5, torch.where(magnitude <= 4, 1.0, 2.0))
+    steps = torch.round(magnitude / step) if even_ties else torch.ceil(magnitude / step - 0.5).abs()  # not -0
+    return steps * step * torch.sign(x)
 
 
 def round_significand(x: torch.Tensor, bits: int) -> torch.Tensor:
