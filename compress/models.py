@@ -222,9 +222,9 @@ def open_streamed(
 
 def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = False, local_only: bool = True):
     """The model alone, whole, in eval mode (for decoding). Factored exports, exports with a LoRA
-    adapter and bitsandbytes 4-bit exports are read as ``lazy`` reads them (dequantized); the rest
-    through transformers, so that W8A8 linears carry compressed-tensors' attributes, which the int8
-    decode kernels read."""
+    adapter, bitsandbytes 4-bit exports and exports with an FP8 KV cache (which transformers 5.24
+    runs unrounded, docs/formats.md) are read as ``lazy`` reads them; the rest through transformers,
+    so that W8A8 linears carry compressed-tensors' attributes, which the int8 decode kernels read."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(where, Path):
@@ -232,6 +232,7 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
         if (
             factored.CONFIG_KEY in config
             or config.get("quantization_config", {}).get("quant_method") == "bitsandbytes"
+            or config.get("quantization_config", {}).get("kv_cache_scheme")
             or (where / "adapter" / "adapter_config.json").exists()
         ):
             return lazy.open_model(where, dtype, trust_remote_code).load_all()
