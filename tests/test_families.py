@@ -152,6 +152,28 @@ def test_kivi_evaluation_and_greedy_decoding_run_on_every_family(model_type):
     assert ours == theirs
 
 
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_w4a4_nvfp4_with_an_fp8_kv_cache_calibrates_exports_and_reloads_on_every_family(model_type, tmp_path):
+    """NVFP4 weights and inputs (calibrated global scales) and an FP8 KV cache (calibrated k/v scales):
+    the scales land on every linear and attention, and our reader computes the model's logits."""
+    from compress.kv_fp8 import KVScale, attention_modules
+    from compress.quant import InputScale
+
+    model = family(model_type)
+    for p in model.parameters():  # bf16 checkpoints' formats; the rotary tables stay float32
+        p.data = p.data.to(torch.bfloat16)
+    ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
+    passes = "  - rtn: {format: nvfp4}\n  - activations: {format: nvfp4}\n  - kv_fp8: {}\n"
+    recipe = compress_with(model, passes, ids)
+    assert all(KVScale.of(a) is not None for a in attention_modules(model))
+    assert InputScale.of(model.model.layers[1].self_attn.o_proj) is not None
+    export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
+    reloaded = lazy.open_model(tmp_path / "x", torch.float32).load_all()
+    probe = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(probe).logits, model.float()(probe).logits, rtol=0, atol=0)
+
+
 def test_an_unknown_model_type_is_inferred_and_one_without_linears_fails_before_compute():
     model = family("llama")
     model.config.model_type = "mystery"
