@@ -6,8 +6,10 @@ Every token is read back rounded, the ones a step has just written too (vLLM's a
 them from the cache). The rounding happens where transformers hands a layer's new keys and values
 to its cache (``Cache.update``): a pre-hook on each attention module passes it a stand-in that rounds
 them, then hands them on to the real cache or, without one (perplexity over whole windows), back to
-the attention. compressed-tensors rounds them at that same point when transformers loads an export
-with a ``kv_cache_scheme``, so the two compute the same.
+the attention. compressed-tensors rounds at that same point when transformers loads an export with a
+``kv_cache_scheme``, but 0.20 hooks the argument under its old name (``past_key_values``), which
+transformers 5.24 calls ``cache``: there the cache runs unrounded, so ``models.load`` reads such
+exports itself.
 """
 
 from __future__ import annotations

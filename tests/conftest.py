@@ -101,3 +101,10 @@ def export_and_reload(model, recipe, folder, dtype=None):
     with torch.no_grad():
         reloaded(torch.zeros(1, 1, dtype=torch.long))  # compressed-tensors decompresses on the first forward
     return reloaded
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that takes the real SmolLM2 through a fixture is ``slow`` (``-m "not slow"``: the fast lane)."""
+    for item in items:
+        if {"smollm2", "smollm2_copy"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

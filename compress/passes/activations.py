@@ -61,8 +61,7 @@ class _LargestInput:
 def _fits(scheme: ActivationScheme, weights) -> bool:
     if weights is None:
         return False
-    if scheme.format == "fp8":
-        # W4AFP8 (vLLM's kernel for it reads groups of 128, compressed-tensors' preset too)
+    if scheme.format == "fp8":  # FP8 weights, or W4AFP8
         return weights.format in ("fp8", "fp8_block") or (
             weights.format == "int" and weights.bits == 4 and weights.symmetric
         )

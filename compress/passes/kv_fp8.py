@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import distributed
+from ..arch import decoder_layers
 from ..kv_fp8 import CacheWrites, KVScale, attention_modules, cache_argument
 from .base import LayerPass, PassOptions, RecipeError
 
@@ -31,8 +32,6 @@ class KVFP8(LayerPass):
         return None
 
     def check(self, model) -> None:
-        from ..arch import decoder_layers
-
         if not attention_modules(decoder_layers(model)[0]):
             raise RecipeError(f"{self.where}: no attention module found in {type(model).__name__}'s blocks")
         self.dtype = model.dtype  # storage dtype: the scales are rounded to it, as transformers holds them
