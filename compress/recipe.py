@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from .formats import gguf_file
 from .models import DEFAULT_MODEL
-from .passes import REGISTRY, LayerPass, RecipeError
+from .passes import REGISTRY, LayerPass, ModelPass, RecipeError
 
 
 class _Strict(BaseModel):
@@ -68,7 +68,7 @@ class Export(_Strict):
 class _RecipeFields(_Strict):
     description: str = ""
     model: str = DEFAULT_MODEL
-    seed: int = 0
+    seed: int = Field(0, ge=0, lt=2**63)  # a torch generator's range
     calibration: Calibration = Calibration()
     passes: list = Field(min_length=1)
     export: Export = Export()
@@ -121,9 +121,34 @@ def _parse_pass(i: int, entry) -> LayerPass:
     return cls(opts, f"{where}.{name}")
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (the last would silently win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                mark = key_node.start_mark
+                raise RecipeError(
+                    f"line {mark.line + 1}: the key {key!r} is given twice in one mapping; keep one"
+                ) from None
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+MAX_RECIPE_BYTES = 1 << 20  # a recipe is a few lines: anything larger is not one
+
+
 def parse(text: str, name: str = "recipe") -> Recipe:
+    if len(text) > MAX_RECIPE_BYTES:
+        raise RecipeError(f"{name}: {len(text) / 1e6:.1f} MB is not a recipe (at most 1 MB of YAML)")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeys)  # noqa: S506 (a SafeLoader)
+    except RecipeError as e:
+        raise RecipeError(f"{name}: {e}") from None
+    except RecursionError:
+        raise RecipeError(f"{name}: nested too deeply to be a recipe") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -133,15 +158,28 @@ def parse(text: str, name: str = "recipe") -> Recipe:
         raise RecipeError(f"{name}: a recipe is a YAML mapping with at least a 'passes' list")
     try:
         fields = _RecipeFields.model_validate(data)
+        passes = [_parse_pass(i, entry) for i, entry in enumerate(fields.passes)]
     except ValidationError as e:
         raise RecipeError(_format(e)) from None
-    passes = [_parse_pass(i, entry) for i, entry in enumerate(fields.passes)]
+    except RecursionError:
+        raise RecipeError(f"{name}: nested too deeply to be a recipe") from None
     for i, p in enumerate(passes):
-        if problem := p.order_problem(passes[:i], passes[i + 1 :]):
+        if problem := p.order_problem(passes[:i], passes[i + 1 :]) or _after_rounding(p, passes[:i]):
             raise RecipeError(f"{p.where}: {problem}")
     if fields.export.format == "gguf":
         _check_gguf(passes, fields.export.type)
     return Recipe(fields, passes, text, name)
+
+
+def _after_rounding(p: LayerPass, before: list[LayerPass]) -> str | None:
+    """A block pass that changes weights a quantizer before it rounded would leave them off its grid
+    (and the export would write the old integers)."""
+    rounded = [q for q in before if q.rounds]
+    if rounded and p.compresses and not p.corrects_rounding and not isinstance(p, ModelPass):
+        awq = rounded[-1].name == "awq"
+        hint = "; to combine AWQ's scales with a later quantizer, give awq quantize: false" if awq else ""
+        return f"changes weights that {rounded[-1].where} has already rounded; put it before the quantizer{hint}"
+    return None
 
 
 def _check_gguf(passes: list[LayerPass], gguf_type: str) -> None:
@@ -162,6 +200,8 @@ def load(path: str | Path) -> Recipe:
         path = shipped
     if not path.is_file():
         raise RecipeError(f"recipe {path} is a folder, not a file; give a .yaml file or a shipped recipe's name")
+    if path.stat().st_size > MAX_RECIPE_BYTES:
+        raise RecipeError(f"recipe {path} is {path.stat().st_size / 1e6:.1f} MB, not a recipe (at most 1 MB of YAML)")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError:

@@ -121,6 +121,46 @@ CASES = {
     ),
     "recipe no passes": (lambda t, m: ["apply", _recipe(t, "seed: 1\n")], "passes"),
     "recipe negative samples": (lambda t, m: ["apply", _recipe(t, RECIPE + "calibration: {samples: -1}\n")], "samples"),
+    "recipe negative seed": (lambda t, m: ["apply", _recipe(t, RECIPE + "seed: -1\n")], "seed"),
+    "recipe seed of 2^70": (lambda t, m: ["apply", _recipe(t, RECIPE + f"seed: {2**70}\n")], "seed"),
+    "recipe duplicate key": (
+        lambda t, m: ["apply", _recipe(t, "passes:\n  - rtn: {bits: 4, bits: 3}\n")],
+        "'bits' is given twice",
+    ),
+    "recipe duplicate top-level key": (lambda t, m: ["apply", _recipe(t, RECIPE + "seed: 1\nseed: 2\n")], "twice"),
+    "recipe gptq percdamp -1": (lambda t, m: ["apply", _recipe(t, "passes:\n  - gptq: {percdamp: -1}\n")], "percdamp"),
+    "recipe gptq blocksize 0": (lambda t, m: ["apply", _recipe(t, "passes:\n  - gptq: {blocksize: 0}\n")], "blocksize"),
+    "recipe awq grid 0": (lambda t, m: ["apply", _recipe(t, "passes:\n  - awq: {grid: 0}\n")], "grid"),
+    "recipe awq max_shrink 1": (
+        lambda t, m: ["apply", _recipe(t, "passes:\n  - awq: {max_shrink: 1}\n")],
+        "max_shrink",
+    ),
+    "recipe ignore regex does not compile": (
+        lambda t, m: ["apply", _recipe(t, "passes:\n  - rtn: {ignore: ['re:(']}\n")],
+        "regular expression",
+    ),
+    "recipe nested too deeply": (lambda t, m: ["apply", _recipe(t, "passes: " + "[" * 5000 + "]" * 5000)], "deeply"),
+    "recipe larger than 1 MB": (lambda t, m: ["apply", _recipe(t, "passes: [" + " " * (2 << 20))], "MB"),
+    "recipe rtn twice": (
+        lambda t, m: ["apply", _recipe(t, "passes:\n  - rtn: {bits: 4}\n  - rtn: {bits: 4}\n")],
+        "already rounded",
+    ),
+    "recipe pruning after rounding": (
+        lambda t, m: ["apply", _recipe(t, "passes:\n  - rtn: {bits: 4}\n  - magnitude: {}\n")],
+        "already rounded",
+    ),
+    "recipe fp8_block on widths the tiles do not fit": (
+        lambda t, m: _apply(t, m, recipe="passes:\n  - rtn: {format: fp8_block}\n"),
+        "fp8_block",
+    ),
+    "recipe nvfp4 inputs on mxfp4 weights": (
+        lambda t, m: ["apply", _recipe(t, "passes:\n  - rtn: {format: mxfp4}\n  - activations: {format: nvfp4}\n")],
+        "nvfp4 weights",
+    ),
+    "recipe two KV caches": (
+        lambda t, m: ["apply", _recipe(t, "passes:\n  - kv_cache: {bits: 4}\n  - kv_fp8: {}\n")],
+        "one KV cache",
+    ),
     "apply --device tpu": (lambda t, m: _apply(t, m, "--device", "tpu"), "--device tpu"),
     "apply --device cuda:7": (lambda t, m: _apply(t, m, "--device", "cuda:7"), "--device cuda:7"),
     "apply unknown flag": (lambda t, m: _apply(t, m, "--bits", "4"), "--bits"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+from pydantic import Field
 
 from .. import distributed
 from ..arch import fold, foldable_scalings
@@ -22,11 +23,11 @@ from .base import RecipeError, WeightQuantOptions, WeightQuantPass
 
 
 class AWQOptions(WeightQuantOptions):
-    grid: int = 20  # α values tried in [0, 1)
+    grid: int = Field(20, gt=0)  # α values tried in [0, 1)
     clip: bool = True  # search a per-group clipping range after scaling
-    clip_grid: int = 20
-    max_shrink: float = 0.5  # clipping tries ranges down to (1 - max_shrink) of the max
-    search_tokens: int = 4096  # calibration tokens used by the searches (statistics use all)
+    clip_grid: int = Field(20, gt=0)
+    max_shrink: float = Field(0.5, gt=0, lt=1)  # clipping tries ranges down to (1 - max_shrink) of the max
+    search_tokens: int = Field(4096, gt=0)  # calibration tokens used by the searches (statistics use all)
     quantize: bool = True  # false: only scale and clip; a later pass (gptq) rounds
 
 
@@ -147,6 +148,10 @@ def search_clip(
 class AWQ(WeightQuantPass):
     name = "awq"
     Options = AWQOptions
+
+    @property
+    def rounds(self) -> bool:
+        return self.options.quantize
 
     def check(self, model) -> None:
         super().check(model)

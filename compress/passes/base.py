@@ -40,6 +40,7 @@ class LayerPass:
     Options: ClassVar[type[PassOptions]]
     needs_data: ClassVar[bool] = True
     compresses: ClassVar[bool] = True  # changes the weights (recovery and the KV cache do not)
+    corrects_rounding: ClassVar[bool] = False  # changes rounded weights on purpose (LoRC), so may follow a quantizer
     data_parallel: ClassVar[bool] = True  # runs with several processes (torchrun); training passes do not
     uses_hessian: ClassVar[bool] = False  # collects XᵀX per linear: the memory plan counts it
     needs_original: bool = False  # the pipeline keeps each block as it was before the passes
@@ -62,6 +63,11 @@ class LayerPass:
     def rounding(self):
         """The integer scheme (``bits``, ``group_size``, ``symmetric``) this pass rounds weights to, or None."""
         return None
+
+    @property
+    def rounds(self) -> bool:
+        """Whether it leaves the weights rounded, which a later compression pass would undo."""
+        return self.rounding is not None
 
     def order_problem(self, before: list[LayerPass], after: list[LayerPass]) -> str | None:
         """What is wrong with this pass's place among the recipe's passes, or None."""
@@ -158,6 +164,17 @@ def matches(name: str, pattern: str) -> bool:
 
 class LinearOptions(PassOptions):
     ignore: list[str] = ["lm_head"]
+
+    @field_validator("ignore")
+    @classmethod
+    def _patterns(cls, patterns):
+        for p in patterns:
+            if p.startswith("re:"):
+                try:
+                    re.compile(p[3:])
+                except re.error as e:
+                    raise ValueError(f"{p!r} is not a regular expression ({e})") from None
+        return patterns
 
 
 class QuantSpec(PassOptions):

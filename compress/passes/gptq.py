@@ -29,8 +29,8 @@ from .base import RecipeError, WeightQuantOptions, WeightQuantPass
 
 
 class GPTQOptions(WeightQuantOptions):
-    percdamp: float = 0.01
-    blocksize: int = 128
+    percdamp: float = Field(0.01, gt=0, le=1)  # damping added to the Hessian's diagonal, as a share of its mean
+    blocksize: int = Field(128, gt=0)
     actorder: bool = False
     true_sequential: bool = True
     gptaq: bool = False

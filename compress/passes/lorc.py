@@ -39,6 +39,8 @@ class LoRC(LinearPass):
         super().__init__(options, where)
         self.needs_data = options.method == "svdllm"
 
+    corrects_rounding = True
+
     def order_problem(self, before, after):
         """It corrects a quantization pass before it and is folded into the weights: nothing may follow."""
         if not any(q.weight_bits for q in before):
