@@ -45,6 +45,13 @@ def _number(low: float, high: float = math.inf, low_open: bool = False, auto: bo
     return parse
 
 
+def _path(text: str) -> str:
+    """An argparse type: a path, not an empty string (which would fall back to a default unseen)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a path, not an empty string")
+    return text
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad arguments get one line naming the argument and the command's --help, exit status 2."""
 
@@ -70,7 +77,7 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         help=f"alias (smollm2-135m, gemma3-270m), local HF folder or hub id "
         f"(default: the recipe's, else {DEFAULT_MODEL})",
     )
-    p.add_argument("--output", help="output folder (default: out/<recipe>-<model>)")
+    p.add_argument("--output", type=_path, help="output folder (default: out/<recipe>-<model>)")
     p.add_argument("--seed", type=_whole(0), help="overrides the recipe's seed")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
     p.add_argument("--samples", type=_whole(1), help="calibration samples (overrides the recipe)")
@@ -179,7 +186,7 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         "(created if missing; this output is added to it)",
     )
     p.add_argument("--max-new-tokens", type=_whole(1), default=128)
-    p.add_argument("--temperature", type=_number(0), default=0.0, help="0 = greedy")
+    p.add_argument("--temperature", type=_number(0, 100), default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=_number(0, 1, low_open=True), default=1.0)
     p.add_argument("--seed", type=_whole(0), default=0)
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -225,7 +232,9 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
 
     p = sub.add_parser("report", help="several exports side by side: report.md and plots of quality against size")
     p.add_argument("exports", nargs="+", help="export folders written by `compress apply`")
-    p.add_argument("--out", default="report", help="folder for report.md and the PNG plots (default: report)")
+    p.add_argument(
+        "--out", type=_path, default="report", help="folder for report.md and the PNG plots (default: report)"
+    )
     p.set_defaults(func=commands["report"])
 
     p = sub.add_parser("export", help="write a GGUF file for llama.cpp from an export of ours")
@@ -237,7 +246,7 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         default="dense",
         help="token embedding (and a dense lm_head): as exported (default) or Q8_0, as llama.cpp's quantizer does",
     )
-    p.add_argument("--output", help="the .gguf file (default: FOLDER/model-TYPE.gguf)")
+    p.add_argument("--output", type=_path, help="the .gguf file (default: FOLDER/model-TYPE.gguf)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing .gguf file")
     p.set_defaults(func=commands["export"])
 
