@@ -164,15 +164,14 @@ def _hub_reachable(host: str = "huggingface.co") -> bool:
 
 
 def load(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False) -> Loaded:
-    from transformers import AutoTokenizer
 
     where = resolve(source)
     local_only = isinstance(where, Path) or not _hub_reachable()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            where, trust_remote_code=trust_remote_code, local_files_only=local_only
-        )
+        tokenizer = _tokenizer(where, trust_remote_code, local_only)
         model = load_model(where, dtype, trust_remote_code, local_only)
+    except ValueError as e:  # transformers' word for a config or folder it cannot read (an unknown model_type)
+        raise ModelLoadError(f"could not load {where}: {_first_line(e)}") from None
     except OSError as e:
         if isinstance(where, Path):
             raise ModelLoadError(f"could not load {where}: {str(e).splitlines()[0]}") from None
@@ -210,14 +209,32 @@ def open_streamed(
     source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False
 ) -> Loaded:
     """``source`` as a ``lazy.StreamedModel`` (its blocks stay on disk until used) and its tokenizer."""
-    from transformers import AutoTokenizer
 
     where = local_folder(source)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, local_files_only=True)
+        tokenizer = _tokenizer(where, trust_remote_code, True)
     except OSError as e:
-        raise ModelLoadError(f"could not load the tokenizer of {where}: {str(e).splitlines()[0]}") from None
-    return Loaded(lazy.open_model(where, dtype, trust_remote_code), tokenizer)
+        raise ModelLoadError(f"could not load the tokenizer of {where}: {_first_line(e)}") from None
+    try:
+        return Loaded(lazy.open_model(where, dtype, trust_remote_code), tokenizer)
+    except ValueError as e:  # transformers' word for a config it cannot read (an unknown model_type)
+        raise ModelLoadError(f"could not load {where}: {_first_line(e)}") from None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _tokenizer(where, trust_remote_code: bool, local_only: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, local_files_only=local_only)
+    except ValueError as e:  # nothing to build a tokenizer from
+        raise ModelLoadError(
+            f"could not load the tokenizer of {where} ({_first_line(e)}); a model folder needs its "
+            "tokenizer files (tokenizer.json, or tokenizer.model and its config)"
+        ) from None
 
 
 def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = False, local_only: bool = True):

@@ -94,6 +94,21 @@ def _pickle_only(folder):
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
 
 
+def _config(**changes):
+    def change(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config.update(changes)
+        (folder / "config.json").write_text(json.dumps(config))
+
+    return change
+
+
+def _no_tokenizer(folder):
+    for f in folder.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+
+
 def _data(tmp, name, content):
     path = tmp / name
     path.write_bytes(content) if isinstance(content, bytes) else path.write_text(content)
@@ -241,6 +256,16 @@ CASES = {
     "model bad safetensors header": (lambda t, m: _bad_model(t, m, _bad_header), "model.safetensors"),
     "model with auto_map": (lambda t, m: _bad_model(t, m, _auto_map), "code"),
     "model pickle only": (lambda t, m: _bad_model(t, m, _pickle_only), "pickle"),
+    "model without tokenizer files": (lambda t, m: _bad_model(t, m, _no_tokenizer), "tokenizer"),
+    "model of an unknown model_type": (lambda t, m: _bad_model(t, m, _config(model_type="nosuchmodel")), "nosuchmodel"),
+    "model with another tool's quantization_config": (
+        lambda t, m: _bad_model(t, m, _config(quantization_config={"quant_method": "gptq", "bits": 4})),
+        "gptq",
+    ),
+    "model config with more layers than the weights": (
+        lambda t, m: _bad_model(t, m, _config(num_hidden_layers=3)),
+        "layers.2",
+    ),
     "model without config": (lambda t, m: _bad_model(t, m, lambda f: (f / "config.json").unlink()), "config.json"),
     "model config not JSON": (
         lambda t, m: _bad_model(t, m, lambda f: (f / "config.json").write_text("{")),
