@@ -25,6 +25,28 @@ def _weight(rows=128, cols=128, seed=0):
     return torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 0.05
 
 
+def _bf16(model):
+    """Parameters in bfloat16, as a bf16 checkpoint holds them (compressed-tensors decompresses FP4
+    weights to bfloat16); the rotary table stays float32."""
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    model.config.dtype = torch.bfloat16
+    return model
+
+
+def _reloads_to_our_logits(model, folder, reloaded):
+    """Our reader and transformers compute ``model``'s logits from the export, in float32 as `compress
+    eval` computes (in bfloat16 compressed-tensors would divide by the scales in bfloat16)."""
+    from compress import lazy
+
+    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    streamed = lazy.open_model(folder, torch.float32).load_all()
+    with torch.no_grad():
+        ours = model.float()(probe).logits
+        for other in (streamed, torch.nn.Module.float(reloaded)):  # transformers refuses .float() on a quantized model
+            torch.testing.assert_close(other(probe).logits, ours, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("fmt", SCHEMES)
 def test_values_and_scales_lie_on_the_grids_the_format_stores(fmt):
     qw = quantize_weight(_weight(), SCHEMES[fmt], torch.bfloat16)
@@ -158,14 +180,9 @@ def test_quantized_activations_export_as_the_preset_and_reload_to_our_logits(pas
     arguments are the preset's, and transformers and our streamed reader compute our logits."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    from compress import lazy
     from compress.quant import InputScale
 
-    model = tiny("llama")
-    # compressed-tensors decompresses FP4 weights to bfloat16; the rotary table stays float32
-    for p in model.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    model.config.dtype = torch.bfloat16
+    model = _bf16(tiny("llama"))
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     recipe = compress_with(model, passes, ids)
     q_proj = model.model.layers[0].self_attn.q_proj
@@ -176,13 +193,7 @@ def test_quantized_activations_export_as_the_preset_and_reload_to_our_logits(pas
     (group,) = config["config_groups"].values()
     theirs = PRESET_SCHEMES[preset]["input_activations"].model_dump(mode="json", exclude={"observer"})
     assert {k: group["input_activations"].get(k) for k in theirs} == theirs
-    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    # compared in float32, as `compress eval` computes (in bfloat16 compressed-tensors divides in bfloat16)
-    streamed = lazy.open_model(tmp_path / "out", torch.float32).load_all()
-    with torch.no_grad():
-        ours = model.float()(probe).logits
-        for other in (streamed, torch.nn.Module.float(reloaded)):  # transformers refuses .float() on a quantized model
-            torch.testing.assert_close(other(probe).logits, ours, rtol=0, atol=0)
+    _reloads_to_our_logits(model, tmp_path / "out", reloaded)
     if calibrated is not None:
         name = "input_global_scale" if preset == "NVFP4" else "input_scale"
         stored = getattr(reloaded.model.layers[0].self_attn.q_proj, name).data
@@ -217,10 +228,7 @@ def test_fp8_kv_cache_is_calibrated_exported_as_vllm_reads_it_and_reloads_to_our
     from compress.kv_fp8 import KVScale
     from compress.quant import round_fp8
 
-    model = tiny("llama")
-    for p in model.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    model.config.dtype = torch.bfloat16
+    model = _bf16(tiny("llama"))
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     recipe = compress_with(model, weights + "  - kv_fp8: {}\n", ids)
     scales = [KVScale.of(layer.self_attn) for layer in model.model.layers]
@@ -256,12 +264,7 @@ def test_fp8_block_holds_one_scale_per_tile_and_exports_as_the_preset(tmp_path):
     token and group of 128; the export reloads in transformers to our float32 logits."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
-    from compress import lazy
-
-    model = tiny("llama", hidden=512)  # every width a multiple of 128
-    for p in model.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    model.config.dtype = torch.bfloat16
+    model = _bf16(tiny("llama", hidden=512))  # every width a multiple of 128
     recipe = compress_with(model, "  - rtn: {format: fp8_block}\n  - activations: {format: fp8, strategy: group}\n")
     qw = quantized_of(model.model.layers[0].mlp.down_proj)
     assert qw.scale.shape == (512, 8) and torch.equal(qw.scale[:128], qw.scale[:1].expand(128, -1))
@@ -274,12 +277,7 @@ def test_fp8_block_holds_one_scale_per_tile_and_exports_as_the_preset(tmp_path):
     for part in ("weights", "input_activations"):
         theirs = PRESET_SCHEMES["FP8_BLOCK"][part].model_dump(mode="json")
         assert {k: group[part].get(k) for k in theirs} == theirs, part
-    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    streamed = lazy.open_model(tmp_path / "out", torch.float32).load_all()
-    with torch.no_grad():
-        ours = model.float()(probe).logits
-        for other in (streamed, torch.nn.Module.float(reloaded)):  # transformers refuses .float() on a quantized model
-            torch.testing.assert_close(other(probe).logits, ours, rtol=0, atol=0)
+    _reloads_to_our_logits(model, tmp_path / "out", reloaded)
 
 
 def test_fp8_block_refuses_a_linear_the_tiles_do_not_fit():
