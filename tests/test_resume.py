@@ -17,7 +17,7 @@ DATA = "calibration: {samples: 4, seqlen: 64}\n"
 RECIPES = {  # every kind of state a pass leaves on a block
     "gptq": "  - gptq: {bits: 4, group_size: 32}\n",
     # float values and scales, one NVFP4 global scale shared by q/k/v and by gate/up
-    "awq + gptq nvfp4": "  - awq: {format: nvfp4, grid: 4}\n  - gptq: {format: nvfp4}\n",
+    "awq + gptq nvfp4": "  - awq: {format: nvfp4, grid: 4, quantize: false}\n  - gptq: {format: nvfp4}\n",
     "gptq fp8 + fp8 activations": "  - gptq: {format: fp8}\n  - activations: {format: fp8}\n",
     "gptq nvfp4 + nvfp4 activations (calibrated)": "  - gptq: {format: nvfp4}\n  - activations: {format: nvfp4}\n",
     "awq + kv_cache": "  - awq: {bits: 4, group_size: 32, symmetric: true, grid: 4}\n"

@@ -131,7 +131,7 @@ def test_apply_refuses_a_run_that_does_not_fit_before_writing_anything(sharded, 
 
 def test_spilled_activations_give_the_same_export_and_leave_no_file(sharded, tmp_path, capsys):
     text = (
-        "passes:\n  - awq: {bits: 4, group_size: 32}\n  - gptq: {bits: 4, group_size: 32}\n"
+        "passes:\n  - awq: {bits: 4, group_size: 32, quantize: false}\n  - gptq: {bits: 4, group_size: 32}\n"
         "calibration: {samples: 4, seqlen: 64}\n"
     )
     spill = tmp_path / "spill"
