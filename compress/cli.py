@@ -150,31 +150,17 @@ def _decode(args) -> None:
     from .decode.engine import Engine
     from .decode.methods import METHODS, Settings
     from .formats.compressed_tensors import attach_integers, unsimulated_by_decoder
-    from .quant import quantized_of
 
     device = _decode_device(args)
     loaded = models.load(args.model, models.parse_dtype(args.dtype))
     model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
     prompt = _prompt_ids(args, tokenizer).to(device)
-    context = getattr(model.config, "max_position_embeddings", None)
-    if context and prompt.shape[1] + args.max_new_tokens > context:
-        room = context - prompt.shape[1]
-        raise decode.DecodeError(
-            f"the prompt's {prompt.shape[1]} tokens and --max-new-tokens {args.max_new_tokens} do not fit the "
-            f"model's context of {context} tokens; "
-            + (f"ask for at most {room} new tokens" if room > 0 else "shorten the prompt")
-        )
     if Path(args.model).is_dir():
         attach_integers(model, args.model)  # the export's integers, for the int4/int8 kernels
-    w4 = any((qw := quantized_of(m)) is not None and qw.scheme.bits == 4 for m in model.modules())
-    if args.kernel.startswith("int4") and not w4 and args.lm_head != "int4" and args.draft != "self-w4":
-        raise decode.DecodeError(
-            f"--kernel {args.kernel} runs 4-bit weights, and {args.model} has none (a W4 export of ours has); "
-            "drop --kernel, or use --draft self-w4 or --lm-head int4 to round some in memory"
-        )
         if parts := unsimulated_by_decoder(args.model):
             why = "no kernel here reads float grids yet; `compress eval` scores them as served"
             print(f"[decode: {', '.join(parts)}: {why}]", file=sys.stderr)
+    _refuse_what_does_not_fit(args, model, prompt)
     eos = model.generation_config.eos_token_id
     eos = set([eos] if isinstance(eos, int) else eos or [])
     sampling = decode.Sampling(args.temperature, args.top_p, args.seed)
@@ -230,6 +216,27 @@ def _decode(args) -> None:
         settings.store.save(args.datastore)
     print(tokenizer.decode(result.tokens, skip_special_tokens=True))
     _print_speed(args, result, target, device)
+
+
+def _refuse_what_does_not_fit(args, model, prompt) -> None:
+    """Before any compute: a generation past the model's context, a 4-bit kernel with no 4-bit weights."""
+    from . import decode
+    from .quant import quantized_of
+
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context and prompt.shape[1] + args.max_new_tokens > context:
+        room = context - prompt.shape[1]
+        raise decode.DecodeError(
+            f"the prompt's {prompt.shape[1]} tokens and --max-new-tokens {args.max_new_tokens} do not fit the "
+            f"model's context of {context} tokens; "
+            + (f"ask for at most {room} new tokens" if room > 0 else "shorten the prompt")
+        )
+    w4 = any((qw := quantized_of(m)) is not None and qw.scheme.bits == 4 for m in model.modules())
+    if args.kernel.startswith("int4") and not w4 and args.lm_head != "int4" and args.draft != "self-w4":
+        raise decode.DecodeError(
+            f"--kernel {args.kernel} runs 4-bit weights, and {args.model} has none (a W4 export of ours has); "
+            "drop --kernel, or use --draft self-w4 or --lm-head int4 to round some in memory"
+        )
 
 
 def _decode_device(args):
