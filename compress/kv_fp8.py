@@ -26,14 +26,6 @@ from .state import State
 SCHEME = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "tensor", "dynamic": False}
 
 
-def is_attention(module: torch.nn.Module) -> bool:
-    return hasattr(module, "num_key_value_groups")  # every transformers attention that has a KV cache
-
-
-def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if is_attention(m)]
-
-
 class KVScale(State, attr="kv_fp8"):
     """The static FP8 scales of one attention's keys and values."""
 
@@ -81,20 +73,20 @@ class CacheWrites:
         return getattr(self.cache, name)
 
 
-def cache_argument(module: torch.nn.Module) -> str:
-    """The name transformers gives the cache argument of ``module.forward`` (``cache`` since 5.2x)."""
+def through(written, module: torch.nn.Module, kwargs: dict) -> dict:
+    """``kwargs`` of ``module``'s forward with its cache argument (``cache`` since transformers 5.2x,
+    ``past_key_values`` before) behind a ``CacheWrites`` stand-in that applies ``written``."""
     params = inspect.signature(module.forward).parameters
-    return next((n for n in ("cache", "past_key_values", "past_key_value") if n in params), "cache")
+    name = next((n for n in ("cache", "past_key_values", "past_key_value") if n in params), "cache")
+    return kwargs | {name: CacheWrites(written, kwargs.get(name))}
 
 
 def _round_cache_writes(module, args, kwargs):
     scales = KVScale.of(module)
     if scales is None:  # dropped
         return None
-    name = cache_argument(module)
 
     def written(key, value):
         return round_fp8(key, scales.k_scale), round_fp8(value, scales.v_scale)
 
-    kwargs[name] = CacheWrites(written, kwargs.get(name))
-    return args, kwargs
+    return args, through(written, module, kwargs)

@@ -332,8 +332,12 @@ def _register() -> None:
     AttentionMaskInterface.register(ATTENTION, eager_mask)
 
 
+def is_attention(module: torch.nn.Module) -> bool:
+    return hasattr(module, "num_key_value_groups")  # every transformers attention that has a KV cache
+
+
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "num_key_value_groups")]
+    return [m for m in model.modules() if is_attention(m)]
 
 
 def scheme_of(model: torch.nn.Module) -> KVScheme | None:

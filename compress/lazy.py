@@ -99,7 +99,7 @@ class StreamedModel:
             stored = moe.renamed(name, renames)
             if scheme is not None and (act := ActivationScheme.of(sub)) is not None and act.calibrated:
                 wanted_scales.append((name, sub, self.quantized.input_keys(stored, ckpt), InputScale))
-            if getattr(self.quantized, "fp8_kv_cache", False) and kv_fp8.is_attention(sub):
+            if getattr(self.quantized, "fp8_kv_cache", False) and kv_quant.is_attention(sub):
                 wanted_scales.append((name, sub, [f"{stored}.k_scale", f"{stored}.v_scale"], kv_fp8.KVScale))
             for leaf, _ in sub.named_parameters(recurse=False):
                 if leaf == "weight" and scheme is not None:  # decompressed as its library does it

@@ -156,7 +156,8 @@ def test_kivi_evaluation_and_greedy_decoding_run_on_every_family(model_type):
 def test_w4a4_nvfp4_with_an_fp8_kv_cache_calibrates_exports_and_reloads_on_every_family(model_type, tmp_path):
     """NVFP4 weights and inputs (calibrated global scales) and an FP8 KV cache (calibrated k/v scales):
     the scales land on every linear and attention, and our reader computes the model's logits."""
-    from compress.kv_fp8 import KVScale, attention_modules
+    from compress.kv_fp8 import KVScale
+    from compress.kv_quant import attention_modules
     from compress.quant import InputScale
 
     model = family(model_type)

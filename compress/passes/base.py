@@ -230,11 +230,12 @@ def _listed(bad: list[tuple[str, int]]) -> str:
 def resolve_scheme(spec: QuantSpec, widths: dict[str, tuple[int, int]], where: str) -> QuantScheme:
     """The scheme for layers of these (input, output) widths; a group size that does not divide one names it."""
     if spec.format == "fp8_block":
-        bad = sorted({(_shape_pattern(n), w) for n, w in widths.items() if w[0] % 128 or w[1] % BLOCK_ROWS})
+        tile = FORMATS["fp8_block"][1]
+        bad = sorted({(_shape_pattern(n), w) for n, w in widths.items() if w[0] % tile or w[1] % BLOCK_ROWS})
         if bad:
             listed = ", ".join(f"{n} ({i} × {o})" for n, (i, o) in bad[:4]) + (" and more" if len(bad) > 4 else "")
             raise RecipeError(
-                f"{where}.format: fp8_block tiles weights {BLOCK_ROWS} × 128, which do not fit (inputs × outputs) "
+                f"{where}.format: fp8_block tiles weights {BLOCK_ROWS} × {tile}, which do not fit (inputs × outputs) "
                 f"{listed}; add those linears to ignore, or use format: fp8 (a scale per channel)"
             )
     widths = {n: w[0] for n, w in widths.items()}

@@ -12,7 +12,8 @@ import torch
 
 from .. import distributed
 from ..arch import decoder_layers
-from ..kv_fp8 import CacheWrites, KVScale, attention_modules, cache_argument
+from ..kv_fp8 import KVScale, through
+from ..kv_quant import attention_modules
 from .base import LayerPass, PassOptions, RecipeError
 
 
@@ -48,11 +49,7 @@ class KVFP8(LayerPass):
                 seen[1] = torch.maximum(seen[1], value.detach().abs().amax().float())
                 return key, value
 
-            def hook(module, args, kwargs):
-                kwargs[cache_argument(module)] = CacheWrites(written, kwargs.get(cache_argument(module)))
-                return args, kwargs
-
-            return hook
+            return lambda module, args, kwargs: (args, through(written, module, kwargs))
 
         handles = [a.register_forward_pre_hook(observer(a), with_kwargs=True) for a in attention_modules(block)]
         try:
