@@ -52,6 +52,15 @@ def _path(text: str) -> str:
     return text
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("compress")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 class _Parser(argparse.ArgumentParser):
     """Bad arguments get one line naming the argument and the command's --help, exit status 2."""
 
@@ -63,6 +72,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser(commands: dict) -> argparse.ArgumentParser:
     """The command line: each subcommand calls ``commands[its name](args)``."""
     parser = _Parser(prog="compress", description="Compress, export and evaluate LLMs.")
+    parser.add_argument("--version", action="version", version=f"compress {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def common(p, dtype_default="bfloat16", dtype_help="bfloat16 (default), float16 or float32"):
@@ -233,8 +243,9 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
     p = sub.add_parser("report", help="several exports side by side: report.md and plots of quality against size")
     p.add_argument("exports", nargs="+", help="export folders written by `compress apply`")
     p.add_argument(
-        "--out", type=_path, default="report", help="folder for report.md and the PNG plots (default: report)"
+        "--output", type=_path, default="report", help="folder for report.md and the PNG plots (default: report)"
     )
+    p.add_argument("--out", dest="output", type=_path, help=argparse.SUPPRESS)  # the name it had before 0.1
     p.set_defaults(func=commands["report"])
 
     p = sub.add_parser("export", help="write a GGUF file for llama.cpp from an export of ours")

@@ -329,7 +329,7 @@ def _print_speed(args, result, target, device) -> None:
 def _report(args) -> None:
     from .report import write
 
-    files, note = write(args.exports, args.out)
+    files, note = write(args.exports, args.output)
     for path in files:
         print(path)
     if note:
@@ -366,6 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("compress: interrupted; no output was written", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`compress recipes | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit's flush is quiet too
+        return 141
     except Exception as e:  # noqa: BLE001 - a bug of ours or a dependency's: one line, the traceback on request
         if getattr(args, "debug", False):
             raise

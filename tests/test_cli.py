@@ -81,6 +81,21 @@ def test_recipes_lists_shipped():
     assert result.returncode == 0 and "rtn-w4" in result.stdout
 
 
+def test_a_reader_that_stops_early_gets_no_error():
+    """`compress recipes | head -1`: the closed pipe ends the listing quietly."""
+    listing = subprocess.Popen(
+        [sys.executable, "-m", "compress.cli", "recipes"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    listing.stdout.close()  # the reader is gone before the first line
+    stderr = listing.stderr.read().decode()
+    assert listing.wait() == 141 and stderr == ""
+
+
+def test_version():
+    result = run("--version")
+    assert result.returncode == 0 and result.stdout.startswith("compress ")
+
+
 def test_decode_rejects_a_bad_number_before_loading_anything():
     result = run("decode", "smollm2-135m", "--prompt", "hi", "--token-cost", "lots")
     assert result.returncode == 2 and "--token-cost: 'lots': write a number or auto" in result.stderr

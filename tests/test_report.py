@@ -42,7 +42,7 @@ def test_report_writes_a_table_and_plots_and_touches_nothing_else(tmp_path):
     out = tmp_path / "report"
     out.mkdir()
     (out / "mine.txt").write_text("a user's file")
-    assert main(["report", *map(str, folders), "--out", str(out)]) == 0
+    assert main(["report", *map(str, folders), "--output", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
         "compress_time.png",
         "kl_vs_bits.png",
@@ -73,5 +73,5 @@ def test_report_says_what_is_wrong_in_one_line(tmp_path, capsys):
     (tmp_path / "file").write_text("")
     assert main(["report", str(a), "--out", str(tmp_path / "file")]) == 2
     assert "is a file" in capsys.readouterr().err
-    assert main(["report", str(a), str(b), "--out", str(tmp_path / "r")]) == 0
+    assert main(["report", str(a), str(b), "--output", str(tmp_path / "r")]) == 0
     assert "different protocols" in capsys.readouterr().out
