@@ -246,6 +246,7 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         "--output", type=_path, default="report", help="folder for report.md and the PNG plots (default: report)"
     )
     p.add_argument("--out", dest="output", type=_path, help=argparse.SUPPRESS)  # the name it had before 0.1
+    p.add_argument("--overwrite", action="store_true", help="replace a report.md or plot that we did not write")
     p.set_defaults(func=commands["report"])
 
     p = sub.add_parser("export", help="write a GGUF file for llama.cpp from an export of ours")

@@ -329,7 +329,7 @@ def _print_speed(args, result, target, device) -> None:
 def _report(args) -> None:
     from .report import write
 
-    files, note = write(args.exports, args.output)
+    files, note = write(args.exports, args.output, args.overwrite)
     for path in files:
         print(path)
     if note:

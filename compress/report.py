@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 from .export import REPORT
@@ -15,6 +16,10 @@ from .export import REPORT
 
 class ReportError(ValueError):
     """A folder without a readable report, or an output that cannot be written."""
+
+
+MANIFEST = ".compress-report.json"  # the files an earlier report wrote into its folder: only these are replaced
+TIMES_PLOT = "compress_time.png"
 
 
 PLOTS = {  # file -> (x key, y key, x label, y label, log y)
@@ -94,8 +99,11 @@ def table(records: list[dict]) -> str:
 
 def _write_text(path: Path, text: str) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    try:
+        partial.write_text(text)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)  # a full disk leaves no half-written file
 
 
 def _plot(records: list[dict], file: str, out: Path) -> Path | None:
@@ -140,7 +148,7 @@ def _plot_times(records: list[dict], out: Path) -> Path | None:
     ax.barh([t[0] for t in timed], [t[1] for t in timed], color="tab:blue")
     ax.set_xlabel("compression time (s)")
     ax.invert_yaxis()
-    return _save(fig, out / "compress_time.png")
+    return _save(fig, out / TIMES_PLOT)
 
 
 def _save(fig, path: Path) -> Path:
@@ -149,20 +157,39 @@ def _save(fig, path: Path) -> Path:
 
     fig.tight_layout()
     partial = path.with_name(f".{path.stem}.{os.getpid()}.partial.png")  # savefig picks the format by suffix
-    fig.savefig(partial)
-    plt.close(fig)
-    os.replace(partial, path)
+    try:
+        fig.savefig(partial)
+        os.replace(partial, path)
+    finally:
+        plt.close(fig)
+        partial.unlink(missing_ok=True)
     return path
 
 
-def write(folders: list[str | Path], out: str | Path) -> tuple[list[Path], str]:
+def _refuse_to_replace_what_others_wrote(out: Path) -> None:
+    """As ``apply --overwrite``: a file of ours is replaced only if a report of ours wrote it."""
+    try:
+        ours = set(json.loads((out / MANIFEST).read_text()).get("files", []))
+    except (OSError, ValueError, AttributeError):
+        ours = set()
+    theirs = [n for n in ["report.md", *PLOTS, TIMES_PLOT] if (out / n).exists() and n not in ours]
+    if theirs:
+        raise ReportError(
+            f"{out / theirs[0]} was not written by `compress report`: choose another --output, "
+            "or pass --overwrite to replace it"
+        )
+
+
+def write(folders: list[str | Path], out: str | Path, overwrite: bool = False) -> tuple[list[Path], str]:
     """Writes ``report.md`` (and the plots, when matplotlib is installed) into ``out``; returns the
     files written and a note (empty, or why some are missing). Only these files are replaced in
-    ``out``: nothing else there is touched."""
+    ``out``, and only if an earlier report wrote them (or ``overwrite``): nothing else is touched."""
     records = load(folders)
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise ReportError(f"{out} is a file: give a folder for the report")
+    if out.is_dir() and not overwrite:
+        _refuse_to_replace_what_others_wrote(out)
     protocols = sorted({r["protocol"] for r in records if r.get("protocol")})
     note = ""
     if len(protocols) > 1:
@@ -172,9 +199,21 @@ def write(folders: list[str | Path], out: str | Path) -> tuple[list[Path], str]:
     except ImportError:
         matplotlib = None
         note = "; ".join(filter(None, [note, 'no plots: matplotlib is not installed (pip install -e ".[plot]")']))
+    created = not out.exists()
+    try:
+        return _write_all(records, out, protocols, matplotlib is not None, note)
+    except OSError as e:  # a full disk, a folder under a file, no permission: the input's fault, not ours
+        if created:
+            shutil.rmtree(out, ignore_errors=True)  # the folder this run made, and only that
+        raise ReportError(f"could not write the report into {out}: {e.strerror or e}") from None
+
+
+def _write_all(records: list[dict], out: Path, protocols: list[str], plots: bool, note: str):
     out.mkdir(parents=True, exist_ok=True)
+    # claimed before they are written, so that a run stopped halfway leaves files a later one may replace
+    _write_text(out / MANIFEST, json.dumps({"files": ["report.md", *(list(PLOTS) + [TIMES_PLOT] if plots else [])]}))
     written = []
-    if matplotlib is not None:
+    if plots:
         written += [p for p in [_plot(records, file, out) for file in PLOTS] + [_plot_times(records, out)] if p]
     lines = [
         "# Compression report",

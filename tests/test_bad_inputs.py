@@ -61,6 +61,19 @@ def _exporty(tmp):  # an earlier export of ours
     (tmp / "out" / MANIFEST).write_text("{}")
 
 
+def _reported(tmp):  # an export folder with its report.json, as `compress report` reads it
+    (tmp / "export").mkdir()
+    (tmp / "export" / "report.json").write_text(json.dumps({"recipe": "r", "bits_per_weight": 4.5, "eval": {}}))
+    return str(tmp / "export")
+
+
+def _report_onto(tmp, files):
+    (tmp / "notes").mkdir()
+    for name in files:
+        (tmp / "notes" / name).write_text("mine")
+    return ["report", _reported(tmp), "--output", str(tmp / "notes")]
+
+
 def _notes(tmp):
     (tmp / "notes").mkdir()
     (tmp / "notes" / "todo.txt").write_text("mine")
@@ -311,6 +324,20 @@ CASES = {
         lambda t, m: _decode(m, "--method", "prompt-lookup", "--datastore", _data(t, "store.json", "{nope")),
         "store.json",
     ),
+    # reports
+    "report onto a user's report.md": (lambda t, m: _report_onto(t, ["report.md"]), "not written by"),
+    "report onto a user's plot": (lambda t, m: _report_onto(t, ["ppl_vs_bits.png"]), "ppl_vs_bits.png"),
+    "report of a folder without report.json": (lambda t, m: ["report", str(m / "tiny")], "report.json"),
+    "report of a missing folder": (lambda t, m: ["report", str(t / "nope")], "nope"),
+    "report --output is a file": (
+        lambda t, m: ["report", _reported(t), "--output", _data(t, "r.txt", "mine")],
+        "is a file",
+    ),
+    "report --output under a file": (
+        lambda t, m: ["report", _reported(t), "--output", str(Path(_data(t, "r.txt", "mine")) / "r")],
+        "r.txt",
+    ),
+    "report --output empty": (lambda t, m: ["report", _reported(t), "--output", ""], "--output"),
 }
 
 # A flag given a value out of its range (or of the wrong kind): the error names the flag.

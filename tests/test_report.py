@@ -44,6 +44,7 @@ def test_report_writes_a_table_and_plots_and_touches_nothing_else(tmp_path):
     (out / "mine.txt").write_text("a user's file")
     assert main(["report", *map(str, folders), "--output", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == [
+        ".compress-report.json",  # what this report wrote: a later one may replace these, and only these
         "compress_time.png",
         "kl_vs_bits.png",
         "mine.txt",
@@ -58,6 +59,21 @@ def test_report_writes_a_table_and_plots_and_touches_nothing_else(tmp_path):
     assert [row.split(" | ")[0][2:] for row in rows] == ["rtn-w4", "gptq-w4", "no-eval", "rtn-w8"]  # by bits
     assert "| 26.000 | 20.000 | 0.1000 |" in text and "![ppl_vs_bits](ppl_vs_bits.png)" in text
     assert (out / "mine.txt").read_text() == "a user's file"
+    assert main(["report", *map(str, folders[:2]), "--output", str(out)]) == 0  # ours: replaced
+    assert "Exports: 2." in (out / "report.md").read_text()
+
+
+def test_report_replaces_only_what_a_report_wrote(tmp_path, capsys):
+    a = _export(tmp_path / "a", "rtn-w4", 4.5, 90.0, 30.0, 0.2)
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "report.md").write_text("a user's own report")
+    assert main(["report", str(a), "--output", str(out)]) == 2
+    assert "report.md was not written by `compress report`" in capsys.readouterr().err
+    assert sorted(p.name for p in out.iterdir()) == ["report.md"]  # nothing written
+    assert (out / "report.md").read_text() == "a user's own report"
+    assert main(["report", str(a), "--output", str(out), "--overwrite"]) == 0
+    assert "rtn-w4" in (out / "report.md").read_text()
 
 
 def test_report_says_what_is_wrong_in_one_line(tmp_path, capsys):
