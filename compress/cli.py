@@ -94,8 +94,11 @@ def _export(args) -> None:
     if out.exists() and not (args.overwrite and out.is_file() and out.suffix == ".gguf"):
         why = "pass --overwrite" if out.is_file() and out.suffix == ".gguf" else "choose another --output"
         raise ExportError(f"{out} exists; {why}")
-    if not os.access(out.absolute().parent, os.W_OK):
-        raise ExportError(f"{out.absolute().parent} is not writable; choose another --output")
+    parent = out.absolute().parent
+    if not parent.is_dir():
+        raise ExportError(f"{parent} is not a folder; choose another --output")
+    if not os.access(parent, os.W_OK):
+        raise ExportError(f"{parent} is not writable; choose another --output")
     written = gguf_file.write(folder, args.gguf, out, args.embedding)
     print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
 

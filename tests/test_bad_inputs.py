@@ -74,6 +74,15 @@ def _report_onto(tmp, files):
     return ["report", _reported(tmp), "--output", str(tmp / "notes")]
 
 
+def _export_of(tmp, m, *extra, damage=None):
+    """`compress export` of a W4 export of ours (made here, before the snapshot; ``damage``d after)."""
+    w4 = RECIPE.replace("group_size: 32", "group_size: 32, symmetric: true")
+    assert main(_apply(tmp, m, "--no-eval", recipe=w4)) == 0
+    if damage is not None:
+        damage(tmp / "out")
+    return ["export", str(tmp / "out"), "--gguf", "q4_0", *extra]
+
+
 def _notes(tmp):
     (tmp / "notes").mkdir()
     (tmp / "notes" / "todo.txt").write_text("mine")
@@ -324,6 +333,34 @@ CASES = {
         lambda t, m: _decode(m, "--method", "prompt-lookup", "--datastore", _data(t, "store.json", "{nope")),
         "store.json",
     ),
+    # GGUF export
+    "export of a model that is not an export of ours": (
+        lambda t, m: ["export", str(m / "tiny"), "--gguf", "q4_0"],
+        "not an export of ours",
+    ),
+    "export --output under a file": (
+        lambda t, m: _export_of(t, m, "--output", str(Path(_data(t, "f.txt", "mine")) / "m.gguf")),
+        "not a folder",
+    ),
+    "export --output in a missing folder": (
+        lambda t, m: _export_of(t, m, "--output", str(t / "nope" / "m.gguf")),
+        "not a folder",
+    ),
+    "export --output onto a user's file": (
+        lambda t, m: _export_of(t, m, "--output", _data(t, "notes.txt", "mine")),
+        "choose another --output",
+    ),
+    "export --output onto a GGUF file without --overwrite": (
+        lambda t, m: _export_of(t, m, "--output", _data(t, "m.gguf", "mine")),
+        "pass --overwrite",
+    ),
+    "export of a truncated checkpoint": (lambda t, m: _export_of(t, m, damage=_truncate), "model.safetensors"),
+    "export of a checkpoint with a garbage header": (
+        lambda t, m: _export_of(t, m, damage=_bad_header),
+        "model.safetensors",
+    ),
+    "export --gguf unknown type": (lambda t, m: _export_of(t, m, "--gguf", "q3_k"), "--gguf"),
+    "export --embedding unknown": (lambda t, m: _export_of(t, m, "--embedding", "int4"), "--embedding"),
     # reports
     "report onto a user's report.md": (lambda t, m: _report_onto(t, ["report.md"]), "not written by"),
     "report onto a user's plot": (lambda t, m: _report_onto(t, ["ppl_vs_bits.png"]), "ppl_vs_bits.png"),
