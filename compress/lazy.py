@@ -86,9 +86,28 @@ class StreamedModel:
                 pass
         return self.model
 
-    def read(self, module: torch.nn.Module, prefix: str, recurse: bool = True) -> None:
-        """Give ``module``'s parameters their values from the checkpoint (CPU, the storage dtype),
-        all read in one pass over the files."""
+    def check(self) -> None:
+        """Every tensor the config's blocks need is in the checkpoint with the shape they need, and
+        the checkpoint holds no block the config lacks: a broken folder is named before any compute
+        (transformers would fill a missing tensor with random values and carry on)."""
+        shapes = self.checkpoint.shapes()
+        for i, block in enumerate(self.layers):
+            wanted, _ = self._plan(block, f"{self.prefix}{i}.")
+            for _, _, sub, leaf, scheme, keys in wanted:
+                need, has = tuple(sub._parameters[leaf].shape), tuple(shapes[keys[0]])
+                if scheme is None and has != need:  # packed weights: their shapes are checked as read
+                    raise CheckpointError(f"{self.checkpoint.folder}: {keys[0]} is {has}, the config says {need}")
+        extra = f"{self.prefix}{len(self.layers)}."
+        if any(k.startswith(extra) for k in shapes):
+            raise CheckpointError(
+                f"{self.checkpoint.folder} holds more blocks than its config's {len(self.layers)} "
+                f"({extra.rstrip('.')} and on): fix num_hidden_layers in config.json or re-download the model"
+            )
+
+    def _plan(self, module: torch.nn.Module, prefix: str, recurse: bool = True):
+        """What reading ``module`` takes: (module name, its name on disk, module, leaf, quantization
+        scheme or None, checkpoint keys) per parameter, and (module name, module, the keys of its
+        calibrated scales, the state they make); a tensor missing from the checkpoint is an error."""
         ckpt = self.checkpoint
         subs = module.named_modules(prefix=prefix.rstrip(".")) if recurse else [(prefix.rstrip("."), module)]
         renames = moe.checkpoint_renames(module, prefix)  # Mixtral's experts are under another name on disk
@@ -112,6 +131,13 @@ class StreamedModel:
         for name, _, keys, _ in wanted_scales:
             if not keys or any(k not in ckpt for k in keys):
                 raise CheckpointError(f"{ckpt.folder} lacks the calibrated scales of {name} that its config names")
+        return wanted, wanted_scales
+
+    def read(self, module: torch.nn.Module, prefix: str, recurse: bool = True) -> None:
+        """Give ``module``'s parameters their values from the checkpoint (CPU, the storage dtype),
+        all read in one pass over the files."""
+        ckpt = self.checkpoint
+        wanted, wanted_scales = self._plan(module, prefix, recurse)
         scale_keys = [k for _, _, keys, _ in wanted_scales for k in keys]
         tensors = ckpt.read([k for *_, keys in wanted for k in keys] + scale_keys)
         for _, sub, keys, kind in wanted_scales:
@@ -202,6 +228,7 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
     streamed = StreamedModel(model, checkpoint, dtype, quantized, adapter)
     if isinstance(quantized, compressed_tensors.Reader):  # before any read: calibrated input scales come with a block
         _quantize_inputs(model, quantized)
+    streamed.check()
     layers = streamed.prefix.rstrip(".")
     for name, sub in model.named_modules():
         if name != layers and not name.startswith(layers + ".") and sub._parameters:

@@ -253,14 +253,22 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
             or (where / "adapter" / "adapter_config.json").exists()
         ):
             return lazy.open_model(where, dtype, trust_remote_code).load_all()
-    model = AutoModelForCausalLM.from_pretrained(
-        where,
-        dtype=dtype,
-        use_safetensors=True,
-        trust_remote_code=trust_remote_code,
-        local_files_only=local_only,
-        **_dequantize_on_load(where),
-    )
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            where,
+            dtype=dtype,
+            use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+            local_files_only=local_only,
+            output_loading_info=True,
+            **_dequantize_on_load(where),
+        )
+    except RuntimeError as e:
+        if "ignore_mismatched_sizes" not in str(e) or not isinstance(where, Path):
+            raise
+        lazy.open_model(where, dtype, trust_remote_code)  # names the tensor (transformers only logs it)
+        raise ModelLoadError(f"{where}: a tensor's shape disagrees with its config; re-download the model") from None
+    _refuse_an_incomplete_checkpoint(where, info, model.config)
     if getattr(model, "ct_decompress_hook", None) is not None:
         # W8A8: compressed-tensors unpacks the int8 weights in a hook on the whole model's first
         # forward; evaluation calls the body and the head apart, so unpack them now
@@ -274,6 +282,26 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
         kv = {k: v for k, v in kv.items() if k != "method"}
         kv_quant.install(model, kv)
     return model.eval()
+
+
+def _refuse_an_incomplete_checkpoint(where, info: dict, config) -> None:
+    """transformers fills a tensor missing from the checkpoint with random values and only logs it:
+    a decode would print tokens from a broken model without a word why."""
+    if info.get("missing_keys"):
+        first = sorted(info["missing_keys"])[0]
+        raise ModelLoadError(
+            f"{where} lacks {len(info['missing_keys'])} tensor(s) its config needs ({first} first); "
+            "re-download or re-export the model"
+        )
+    if info.get("mismatched_keys"):
+        first = sorted(info["mismatched_keys"])[0]
+        raise ModelLoadError(f"{where}: a tensor's shape disagrees with its config ({first}); re-download the model")
+    beyond = [k for k in info.get("unexpected_keys", []) if f"layers.{config.num_hidden_layers}." in k]
+    if beyond:
+        raise ModelLoadError(
+            f"{where} holds more blocks than its config's {config.num_hidden_layers} ({sorted(beyond)[0]}): "
+            "fix num_hidden_layers in config.json or re-download the model"
+        )
 
 
 def parse_dtype(name: str) -> torch.dtype:

@@ -112,6 +112,30 @@ def _auto_map(folder):
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def _tensors(change):
+    """A model folder change made on its tensors (a dict of name -> tensor), saved back as safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    def apply(folder):
+        tensors = load_file(folder / "model.safetensors")
+        change(tensors)
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+    return apply
+
+
+_NO_UP_PROJ = _tensors(lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+_NARROW_UP_PROJ = _tensors(
+    lambda t: t.update({"model.layers.1.mlp.up_proj.weight": t["model.layers.1.mlp.up_proj.weight"][:-1]})
+)
+
+
+def _bad_decode_model(tmp, m, change):
+    folder = _copy_model(m / "tiny", tmp / "bad-model")
+    change(folder)
+    return ["decode", str(folder), "--prompt", "hello", "--max-new-tokens", "2"]
+
+
 def _pickle_only(folder):
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
 
@@ -287,6 +311,29 @@ CASES = {
     "model config with more layers than the weights": (
         lambda t, m: _bad_model(t, m, _config(num_hidden_layers=3)),
         "layers.2",
+    ),
+    "model config with fewer layers than the weights": (
+        lambda t, m: _bad_model(t, m, _config(num_hidden_layers=1)),
+        "more blocks than its config",
+    ),
+    "model lacking a tensor": (lambda t, m: _bad_model(t, m, _NO_UP_PROJ), "up_proj"),
+    "model with a tensor of the wrong shape": (lambda t, m: _bad_model(t, m, _NARROW_UP_PROJ), "up_proj"),
+    "decode a model lacking a tensor": (lambda t, m: _bad_decode_model(t, m, _NO_UP_PROJ), "up_proj"),
+    "decode a model with a tensor of the wrong shape": (
+        lambda t, m: _bad_decode_model(t, m, _NARROW_UP_PROJ),
+        "up_proj",
+    ),
+    "decode a model whose config has more layers": (
+        lambda t, m: _bad_decode_model(t, m, _config(num_hidden_layers=3)),
+        "layers.2",
+    ),
+    "decode a model whose config has fewer layers": (
+        lambda t, m: _bad_decode_model(t, m, _config(num_hidden_layers=1)),
+        "more blocks than its config",
+    ),
+    "eval a model lacking a tensor": (
+        lambda t, m: ["eval", _bad_model(t, m, _NO_UP_PROJ)[3], "--windows", "1", "--seqlen", "32"],
+        "up_proj",
     ),
     "model without config": (lambda t, m: _bad_model(t, m, lambda f: (f / "config.json").unlink()), "config.json"),
     "model config not JSON": (
