@@ -6,6 +6,7 @@ output folder, model shapes) fails before calibration or compression starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
@@ -104,6 +105,16 @@ def apply(
     samples and windows (``compress/distributed.py``), rank 0 alone writes the export and returns
     the report; the other ranks return None."""
     run = _settings(recipe, model_source, output, device, dtype, seed, overwrite, max_shard_mb)
+    with export.output_lock(run.out) if run.main else contextlib.nullcontext():
+        return _apply(
+            run, evaluate_after, eval_windows, eval_seqlen, samples, spill, resume_run, keep_blocks, calibration_dtype
+        )
+
+
+def _apply(
+    run: _Run, evaluate_after, eval_windows, eval_seqlen, samples, spill, resume_run, keep_blocks, calibration_dtype
+):
+    recipe = run.recipe
     store = activation_store(spill, run.device)
     loaded = run.open_model()
     model, tokenizer = loaded.model, loaded.tokenizer

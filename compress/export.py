@@ -9,6 +9,7 @@ next to the target and renamed at the end, so a crash never leaves half a checkp
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -118,16 +119,55 @@ def remove_leftovers(out: Path) -> list[Path]:
         pid = rest.partition("-")[0]
         if kind not in ("tmp", "old") or not pid.isdigit() or not folder.is_dir():
             continue
-        try:
-            os.kill(int(pid), 0)
-            continue  # that run is still going
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue  # another user's process
+        if _running(int(pid)):
+            continue  # that run is still going (or another user's)
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed
+
+
+@contextlib.contextmanager
+def output_lock(out: Path):
+    """This process owns ``out`` and the folders beside it (its temporary export, its resume
+    checkpoints) while it runs: a second run onto the same ``--output`` is refused instead of
+    removing the first one's checkpoints. A lock left by a killed process is taken over."""
+    lock = out.absolute().parent / f".{out.name}.lock"
+    made = [p for p in [lock.parent, *lock.parent.parents] if not p.exists()]  # removed again if left empty
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            break
+        except FileExistsError:
+            holder = lock.read_text().strip() if lock.is_file() else ""
+            if holder.isdigit() and _running(int(holder)):
+                raise ExportError(
+                    f"another compress run (pid {holder}) is writing {out}; wait for it, or choose another --output"
+                ) from None
+            lock.unlink(missing_ok=True)  # its process is gone
+    else:
+        raise ExportError(f"could not take {lock} (another run starting at the same moment?); try again")
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+        for folder in made:  # innermost first
+            try:
+                folder.rmdir()
+            except OSError:
+                break  # holds the export now (or something else): kept
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
 
 
 class Export:

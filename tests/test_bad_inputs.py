@@ -83,6 +83,13 @@ def _export_of(tmp, m, *extra, damage=None):
     return ["export", str(tmp / "out"), "--gguf", "q4_0", *extra]
 
 
+def _busy(tmp):
+    """Another run is writing ``out``: its lock (a live process: pytest's parent) and its resume checkpoints."""
+    (tmp / ".out.lock").write_text(str(os.getppid()))
+    (tmp / ".out.resume").mkdir()
+    (tmp / ".out.resume" / "state.json").write_text('{"blocks": 1, "key": {}}')
+
+
 def _notes(tmp):
     (tmp / "notes").mkdir()
     (tmp / "notes" / "todo.txt").write_text("mine")
@@ -297,6 +304,11 @@ CASES = {
         "--spill",
     ),
     # models
+    "apply onto an --output another run is writing": (lambda t, m: (_busy(t), _apply(t, m))[1], "pid"),
+    "apply --resume onto an --output another run is writing": (
+        lambda t, m: (_busy(t), _apply(t, m, "--resume"))[1],
+        "another compress run",
+    ),
     "model folder missing": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(t / "nope")], "nope"),
     "model truncated safetensors": (lambda t, m: _bad_model(t, m, _truncate), "model.safetensors"),
     "model bad safetensors header": (lambda t, m: _bad_model(t, m, _bad_header), "model.safetensors"),
@@ -529,6 +541,13 @@ def test_leftovers_of_a_killed_run_are_removed_and_only_those(tmp_path):
     writer = Export(tmp_path / "out")
     writer.abort()
     assert not dead.exists() and alive.exists() and mine.exists()
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over(model_folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".out.lock").write_text(str(2**22 + 12345))  # above the kernel's pid limit: no such process
+    assert main(_apply(tmp_path, model_folder, "--no-eval")) == 0
+    assert (tmp_path / "out" / MANIFEST).is_file() and not (tmp_path / ".out.lock").exists()
 
 
 def _mutations():
