@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import factored, kv_quant, lazy
+from .formats.safetensors import Checkpoint, CheckpointError
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -77,8 +78,11 @@ def _convert_gguf(alias: str) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     target = cache_dir() / "models" / alias
-    if (target / "config.json").exists():
-        return target
+    if target.exists():
+        if _intact(target):
+            return target
+        print(f"[compress] the cached conversion {target} is damaged; converting it again", flush=True)
+        shutil.rmtree(target)  # our own cache, rebuilt from the bundled file
     folder, name = ALIASES[alias]()
     print(f"[compress] converting {name} to safetensors (first use only) ...", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
@@ -90,10 +94,33 @@ def _convert_gguf(alias: str) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        sizes = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
+        (tmp / CONVERTED).write_text(json.dumps(sizes))
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+CONVERTED = ".converted.json"  # each file of a cached conversion and its size, written last
+
+
+def _intact(target: Path) -> bool:
+    """A cached conversion every file of which is there at its size, with readable headers (a disk
+    that filled up, a copy cut short or an edit by hand would otherwise fail every later run)."""
+    try:
+        json.loads((target / "config.json").read_text())
+        Checkpoint(target)  # every safetensors header parses
+        stamp = target / CONVERTED
+        if not stamp.exists():  # converted by a version that wrote no sizes: these are them from now on
+            sizes = {f.name: f.stat().st_size for f in target.iterdir() if f.is_file()}
+            partial = stamp.with_name(f"{stamp.name}.{os.getpid()}")
+            partial.write_text(json.dumps(sizes))
+            os.replace(partial, stamp)
+        sizes = json.loads(stamp.read_text())
+        return all((target / name).stat().st_size == size for name, size in sizes.items())
+    except (OSError, ValueError, AttributeError, CheckpointError):
+        return False
 
 
 def resolve(source: str) -> Path | str:

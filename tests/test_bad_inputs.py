@@ -630,3 +630,21 @@ def test_exports_are_readable_by_others_and_name_no_code(tmp_path, smollm2):
     assert (out / "adapter" / "adapter_model.safetensors").is_file()
     assert all(f.stat().st_mode & 0o777 == 0o644 for f in out.rglob("*") if f.is_file())
     assert "auto_map" not in json.loads((out / "config.json").read_text())
+
+
+@pytest.mark.slow
+def test_a_damaged_cached_conversion_is_converted_again(tmp_path, monkeypatch, capsys):
+    """The bundled GGUF's safetensors conversion, cut short (a full disk, a copy stopped), is rebuilt
+    instead of failing every later run."""
+    from compress import models
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path))
+    target = models.resolve("smollm2-135m")
+    weights = target / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    capsys.readouterr()
+    assert models.resolve("smollm2-135m") == target
+    assert "is damaged; converting it again" in capsys.readouterr().out
+    assert weights.read_bytes() == good
+    assert models.resolve("smollm2-135m") == target and "damaged" not in capsys.readouterr().out
