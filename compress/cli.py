@@ -21,7 +21,7 @@ from .arch import UnknownArchitecture
 from .arguments import build_parser
 from .data import DataError
 from .decode import DecodeError
-from .export import MANIFEST, ExportError
+from .export import DISK_ERRORS, MANIFEST, ExportError
 from .formats.gguf_file import GGUFError
 from .formats.safetensors import CheckpointError
 from .memory import MemoryPlanError
@@ -375,6 +375,12 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - a bug of ours or a dependency's: one line, the traceback on request
         if getattr(args, "debug", False):
             raise
+        if isinstance(e, OSError) and e.errno in DISK_ERRORS:  # the machine's refusal, not a bug
+            where = Path(e.filename).parent if e.filename else Path("the output")
+            if ".tmp-" in where.name:  # our hidden temporary export, removed by now: the folder it was in
+                where = where.parent
+            print(f"compress: error: {e.strerror} writing in {where}; {DISK_ERRORS[e.errno]}", file=sys.stderr)
+            return 2
         first = (str(e).splitlines() or [""])[0][:300]
         print(
             f"compress: error: unexpected {type(e).__name__}: {first} (run with --debug for the traceback)",

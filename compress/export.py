@@ -10,6 +10,7 @@ next to the target and renamed at the end, so a crash never leaves half a checkp
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -124,6 +125,15 @@ def remove_leftovers(out: Path) -> list[Path]:
         shutil.rmtree(folder, ignore_errors=True)
         removed.append(folder)
     return removed
+
+
+# what the machine refused, not the input nor our code: one line saying what to change (cli.main)
+DISK_ERRORS = {
+    errno.ENOSPC: "free some space or choose another --output",
+    errno.EDQUOT: "free some of your quota or choose another --output",
+    errno.EROFS: "choose an --output on a writable file system",
+    errno.EACCES: "choose an --output you may write to",
+}
 
 
 @contextlib.contextmanager

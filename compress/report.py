@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from .export import REPORT
+from .export import DISK_ERRORS, REPORT
 
 
 class ReportError(ValueError):
@@ -205,6 +205,8 @@ def write(folders: list[str | Path], out: str | Path, overwrite: bool = False) -
     except OSError as e:  # a full disk, a folder under a file, no permission: the input's fault, not ours
         if created:
             shutil.rmtree(out, ignore_errors=True)  # the folder this run made, and only that
+        if e.errno in DISK_ERRORS:
+            raise  # said as for every command
         raise ReportError(f"could not write the report into {out}: {e.strerror or e}") from None
 
 

@@ -4,6 +4,7 @@ disk as it was: nothing created, nothing deleted (a snapshot of the test's folde
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import os
 from pathlib import Path
@@ -648,3 +649,37 @@ def test_a_damaged_cached_conversion_is_converted_again(tmp_path, monkeypatch, c
     assert "is damaged; converting it again" in capsys.readouterr().out
     assert weights.read_bytes() == good
     assert models.resolve("smollm2-135m") == target and "damaged" not in capsys.readouterr().out
+
+
+def _full_disk(where):
+    def write(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(where / "x"))
+
+    return write
+
+
+def test_a_full_disk_is_one_line_and_leaves_nothing(model_folder, tmp_path, monkeypatch, capsys):
+    """apply, export --gguf and report on a file system that fills up: exit 2, one line naming the
+    folder and what to do, and the disk as it was."""
+    import gguf
+
+    from compress.formats.safetensors import ShardWriter
+
+    monkeypatch.chdir(tmp_path)
+    w4 = RECIPE.replace("group_size: 32", "group_size: 32, symmetric: true")
+    assert main(_apply(tmp_path, model_folder, "--no-eval", "--output", str(tmp_path / "w4"), recipe=w4)) == 0
+    commands = {
+        "apply": (_apply(tmp_path, model_folder, "--no-eval"), ShardWriter, "add"),
+        "export": (["export", str(tmp_path / "w4"), "--gguf", "q4_0"], gguf.GGUFWriter, "write_tensor_data"),
+        "report": (["report", str(tmp_path / "w4"), "--output", str(tmp_path / "r")], Path, "write_text"),
+    }
+    for command, (argv, owner, method) in commands.items():
+        capsys.readouterr()
+        before = _snapshot(tmp_path)
+        with monkeypatch.context() as m:
+            m.setattr(owner, method, _full_disk(tmp_path))
+            assert main(argv) == 2, command
+        err = capsys.readouterr().err
+        assert f"No space left on device writing in {tmp_path}" in err and "free some space" in err, (command, err)
+        assert len([line for line in err.splitlines() if line.startswith("compress: ")]) == 1, err
+        assert _snapshot(tmp_path) == before, command
