@@ -329,6 +329,14 @@ CASES = {
         lambda t, m: _bad_model(t, m, _config(num_hidden_layers=1)),
         "more blocks than its config",
     ),
+    "model whose embeddings disagree with vocab_size": (
+        lambda t, m: _bad_model(t, m, _config(vocab_size=50000)),
+        "embed_tokens",
+    ),
+    "decode a model whose embeddings disagree with vocab_size": (
+        lambda t, m: _bad_decode_model(t, m, _config(vocab_size=50000)),
+        "embed_tokens",
+    ),
     "model lacking a tensor": (lambda t, m: _bad_model(t, m, _NO_UP_PROJ), "up_proj"),
     "model with a tensor of the wrong shape": (lambda t, m: _bad_model(t, m, _NARROW_UP_PROJ), "up_proj"),
     "decode a model lacking a tensor": (lambda t, m: _bad_decode_model(t, m, _NO_UP_PROJ), "up_proj"),
