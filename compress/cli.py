@@ -128,7 +128,16 @@ def _eval(args) -> None:
         loaded = models.open_streamed(args.model, dtype)  # a block at a time: no model is held whole
     if reference is None and manifest.exists():
         reference = json.loads(manifest.read_text()).get("base_model")
-    ref_model = models.open_streamed(reference, dtype).model if reference and reference != "none" else None
+    ref_model = None
+    if reference and reference != "none":
+        ref = models.open_streamed(reference, dtype)
+        _refuse_another_vocabulary(f"--reference {reference}", ref, args.model, loaded)
+        ref_model = ref.model
+    context = getattr(loaded.model.config, "max_position_embeddings", None)
+    if context and args.seqlen and args.seqlen > context:
+        raise ExportError(
+            f"--seqlen {args.seqlen} is past {args.model}'s context of {context} tokens; give at most that"
+        )
     result = evaluate(loaded.model, loaded.tokenizer, args.ppl, args.seqlen, args.windows, ref_model, device=device)
     if not distributed.is_main():  # torchrun: every rank scored its windows; rank 0 reports
         return
@@ -288,11 +297,23 @@ def _prompt_ids(args, tokenizer):
     return prompt
 
 
+def _refuse_another_vocabulary(what: str, other, name: str, loaded) -> None:
+    """A draft or a reference must read and write the same token ids as the model."""
+    from .data import tokenizer_fingerprint
+
+    if tokenizer_fingerprint(other.tokenizer) != tokenizer_fingerprint(loaded.tokenizer):
+        raise DecodeError(f"{what} has another tokenizer than {name}; it must share the model's vocabulary")
+    if other.model.config.vocab_size != loaded.model.config.vocab_size:
+        raise DecodeError(
+            f"{what} has a vocabulary of {other.model.config.vocab_size} tokens, {name} of "
+            f"{loaded.model.config.vocab_size}; it must share the model's vocabulary"
+        )
+
+
 def _draft(args, model, tokenizer, device, engine, sampling):
     """``--draft``: the target rounded to 4 bits in memory (``self-w4``), another model sharing its
     vocabulary, or None."""
     from . import decode, models
-    from .data import tokenizer_fingerprint
     from .formats.compressed_tensors import attach_integers
 
     if args.draft == "self-w4":
@@ -300,16 +321,7 @@ def _draft(args, model, tokenizer, device, engine, sampling):
     if not args.draft:
         return None
     other = models.load(args.draft, models.parse_dtype(args.dtype))
-    if tokenizer_fingerprint(other.tokenizer) != tokenizer_fingerprint(tokenizer):
-        raise decode.DecodeError(
-            f"--draft {args.draft} has another tokenizer than {args.model}; a draft must share the target's vocabulary"
-        )
-    if other.model.config.vocab_size != model.config.vocab_size:
-        raise decode.DecodeError(
-            f"--draft {args.draft} has a vocabulary of {other.model.config.vocab_size} "
-            f"tokens, {args.model} of {model.config.vocab_size}; a draft must share "
-            "the target's vocabulary"
-        )
+    _refuse_another_vocabulary(f"--draft {args.draft}", other, args.model, models.Loaded(model, tokenizer))
     draft_model = models.for_compute(other.model, device)
     if Path(args.draft).is_dir():
         attach_integers(draft_model, args.draft)

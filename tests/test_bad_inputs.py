@@ -377,9 +377,20 @@ CASES = {
         "jsonl",
     ),
     "eval model missing": (lambda t, m: ["eval", str(t / "nope")], "nope"),
-    "eval --ppl missing file": (lambda t, m: ["eval", str(m / "tiny"), "--ppl", str(t / "none.txt")], "none.txt"),
-    "eval --ppl not UTF-8": (lambda t, m: ["eval", str(m / "tiny"), "--ppl", _data(t, "b.txt", b"\xff" * 50)], "UTF-8"),
+    "eval --ppl missing file": (
+        lambda t, m: ["eval", str(m / "tiny"), "--seqlen", "32", "--ppl", str(t / "none.txt")],
+        "none.txt",
+    ),
+    "eval --ppl not UTF-8": (
+        lambda t, m: ["eval", str(m / "tiny"), "--seqlen", "32", "--ppl", _data(t, "b.txt", b"\xff" * 50)],
+        "UTF-8",
+    ),
     "eval --reference missing": (lambda t, m: ["eval", str(m / "tiny"), "--reference", str(t / "ref")], "ref"),
+    "eval --reference of another vocabulary": (
+        lambda t, m: ["eval", str(m / "tiny"), "--reference", str(m / "other-vocab"), "--windows", "1"],
+        "vocabulary",
+    ),
+    "eval --seqlen past the context": (lambda t, m: ["eval", str(m / "tiny"), "--seqlen", "100000"], "context"),
     "eval --write-report on a model, not an export": (lambda t, m: ["eval", str(m / "tiny"), "--write-report"], "tiny"),
     # decoding
     "decode --raw empty prompt": (lambda t, m: _decode(m, "--raw", prompt=""), "prompt"),
