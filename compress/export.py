@@ -127,12 +127,11 @@ def remove_leftovers(out: Path) -> list[Path]:
     return removed
 
 
-# what the machine refused, not the input nor our code: one line saying what to change (cli.main)
+# a write the machine refused, not the input nor our code: one line saying what to change (cli.main)
 DISK_ERRORS = {
     errno.ENOSPC: "free some space or choose another --output",
     errno.EDQUOT: "free some of your quota or choose another --output",
     errno.EROFS: "choose an --output on a writable file system",
-    errno.EACCES: "choose an --output you may write to",
 }
 
 
