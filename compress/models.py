@@ -348,7 +348,7 @@ def parse_dtype(name: str) -> torch.dtype:
 def compute_dtype(device: torch.device, storage: torch.dtype) -> torch.dtype:
     """The dtype matmuls run in: float32 on the CPU, the storage dtype on accelerators.
 
-    CPUs without AVX512-BF16/AMX emulate bf16 matmuls (6.7x slower than fp32 on our 2-core EPYC).
+    CPUs without AVX512-BF16/AMX emulate bf16 matmuls, several times slower than fp32.
     Weights stay exactly representable in the storage dtype, so the export is unchanged.
     """
     return torch.float32 if device.type == "cpu" else storage

@@ -155,8 +155,8 @@ class Engine:
         if cache_dtype not in (None, torch.float32, torch.bfloat16):
             raise DecodeError(f"cache_dtype={cache_dtype}: the KV cache is float32 or bfloat16")
         self.cache_dtype = cache_dtype or _cache_dtype(self.device, self.dtype, native_attention, self.matmuls)
-        # one-row attention over an fp32 cache, or a bf16 one read by an fp32 stream: ~60 us of SDPA's
-        # overhead a layer on an AVX2 CPU (``native``)
+        # one-row attention over an fp32 cache, or a bf16 one read by an fp32 stream, on our own
+        # kernel (``native``): SDPA's fixed overhead a layer outweighs one row's arithmetic
         self.native_attention = native_attention and torch.float32 in (self.cache_dtype, self.dtype)
         self.attention = Attention(self.heads, self.kv_heads, self.scaling, self.softcap_attn, self.native_attention)
         self.final_norm = _norm(inner.norm, self.dtype, gemma)
@@ -346,11 +346,11 @@ def _cache_dtype(device: torch.device, dtype: torch.dtype, native_attention: boo
     ``scripts/bench_kernel_accuracy.py`` measures."""
     if device.type == "cpu" and dtype == torch.bfloat16 and not onednn.onednn_bf16_available():
         # attention (and so the cache) in fp32 where bf16 arithmetic is emulated (an AVX2-only CPU):
-        # there the compiled step's bf16 SDPA for one row over ~330 slots took 352 us a layer, fp32 156-173
+        # there a compiled step's bf16 SDPA is about twice fp32's
         return torch.float32
     if native_attention and any(m.rounds_rows for m in matmuls):
-        # kernels that round their input rows to int8 lose more than a bf16 cache does; the cache's
-        # reads halve (18 MB a step at 400 cached tokens in fp32 for SmolLM2, about a sixth of a W4A8 step)
+        # kernels that round their input rows to int8 lose more than a bf16 cache does, and the
+        # cache's reads, a sizeable share of such a step, halve
         return torch.bfloat16
     return dtype
 

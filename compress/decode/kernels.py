@@ -88,8 +88,7 @@ class Matmul:
     device = torch.device("cpu")
     # every row computed alone, as a one-row call does, whatever the number of rows (our ``native``
     # kernels: each weight row meets the rows one after another), so a compiled step can take exactly
-    # as many rows as it has tokens; their extra rows cost arithmetic, not weight reads (SmolLM2's bf16
-    # products on a Xeon: 2 rows 1.09x one row, 4 rows 1.50x, 8 2.53x)
+    # as many rows as it has tokens; their extra rows cost arithmetic, not weight reads
     rows_alone: ClassVar[bool] = False
     # rounds its input rows to int8 at decode time only (``int4-a8``; W8A8's evaluation rounds them
     # too, so its engine keeps what the export scored): the engine's tokens already differ from the
@@ -227,7 +226,8 @@ class OneDNN(Matmul, formats=("fp32-onednn", "bf16")):
 
 class Int4(Matmul, formats=("int4",)):
     """torch's packed-int4 CPU kernel (tinygemm layout, ``u = q + 8``, ``zero = −z·scale``), fed
-    bf16 rows: its fp32 path is 20–30× slower on every CPU measured here. On a GPU: ``Int4CUDA``."""
+    bf16 rows: its fp32 path is an order of magnitude slower on every CPU we measured. On a GPU:
+    ``Int4CUDA``."""
 
     fmt, dtype = "int4", torch.bfloat16
 
@@ -277,8 +277,7 @@ class NativeBF16(Matmul, formats=("bf16-avx2",)):
 class NativeInt4(Matmul, formats=("int4-avx2",)):
     """W4 groups on our AVX2 one-row product (``native``): ``w = scale·u + offset`` with ``u = q + 8``
     and ``offset = −(8 + z)·scale``, fed fp32 rows; prompts dequantize for a library GEMM
-    (``prompt_product``; on a 330-token prompt about twice as fast as any int4 kernel on an AVX2
-    EPYC, 1.5× torch's int4 kernel on a Zen 4)."""
+    (``prompt_product``: faster on a prompt than any int4 kernel we measured, docs/results.md)."""
 
     fmt, rows_alone = "int4-avx2", True
 
@@ -297,8 +296,7 @@ class NativeInt4(Matmul, formats=("int4-avx2",)):
 
     def matmul(self, x):
         if x.shape[0] > VERIFY_ROWS:
-            # in bf16 where the GEMM will be (``prompt_product``): the fp32 copy cost a 330-token prompt
-            # ~10% on a Zen 4 (120 SmolLM2 products: 270 -> 243 ms; bf16 weights held: 218)
+            # in bf16 where the GEMM will be (``prompt_product``): an fp32 copy would be converted again
             weight = torch.ops.compress.int4_dequantize(
                 self.packed, self.scale, self.offset, self.group_size, onednn.bf16_arithmetic()
             )
@@ -309,8 +307,8 @@ class NativeInt4(Matmul, formats=("int4-avx2",)):
 class NativeInt4A16(NativeInt4, formats=("int4-a16",)):
     """``NativeInt4``'s weights times one-to-few rows rounded to 16 bits per block of 64 (each value
     within 2^-16 of its block's largest: finer than bf16 rounds a row for torch's int4 kernel),
-    multiplied as two int8 parts on integer dot products (VNNI where the CPU has it): about 1.5×
-    ``int4-avx2``'s speed on a Zen 4, within 15% of ``int4-a8``'s. Groups of 64k weights; prompts
+    multiplied as two int8 parts on integer dot products (VNNI where the CPU has it): faster than
+    ``int4-avx2`` where VNNI is, close to ``int4-a8``. Groups of 64k weights; prompts
     dequantize for a float GEMM as ``NativeInt4`` does."""
 
     fmt, op = "int4-a16", "int4_matmul_a16"
@@ -326,9 +324,8 @@ class NativeInt4A16(NativeInt4, formats=("int4-a16",)):
 class NativeInt4A8(NativeInt4A16, formats=("int4-a8",)):
     """``NativeInt4A16`` with rows rounded to int8 per block of 64 (W4A8, as llama.cpp's Q4 × Q8
     products): one integer product a block instead of two, so the product streams its weights near
-    the memory's rate (a 576→49152 lm_head on a Zen 4: 0.34 ms against 0.85 for ``int4-avx2`` and
-    1.57 for bf16). Lossy in the activations (about 1% of a product's size), so used only when
-    asked for by name."""
+    the memory's rate (the fastest lm_head kernel in docs/decoder.md). Lossy in the activations
+    (about 1% of a product's size), so used only when asked for by name."""
 
     fmt, op, rounds_rows = "int4-a8", "int4_matmul_a8", True
 

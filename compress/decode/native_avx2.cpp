@@ -84,9 +84,9 @@ void check_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
 
 // One bf16 weight row (as int32 lanes of two weights, H = K / 2 of them) times a row split into even
 // and odd values. A 32-bit lane holds two weights: the even one is its low half shifted up, the odd
-// one its high half masked. ``Ahead``: also prefetch the weights 4 KB ahead (streaming SmolLM2's bf16
-// products from memory took 12.4 ms a token with it, 16.3 without, on a Xeon with 2 threads; 1 KB
-// ahead 13.8, 2 KB 13.0; prefetching a row's next 4 KB before its products: 13.7).
+// one its high half masked. ``Ahead``: also prefetch the weights 4 KB ahead, for products streamed
+// from memory (the distance that did best among 1, 2 and 4 KB, and against prefetching a row's next
+// 4 KB before its products).
 template <bool Ahead>
 inline float bf16_row(const int32_t* row, const float* even, const float* odd, int64_t H) {
   const __m256i high = _mm256_set1_epi32(0xFFFF0000);
@@ -289,12 +289,10 @@ inline __m256i block_product(const int32_t* codes, const int8_t* v, int64_t K) {
 // Output n of int4_matmul_a8 / _a16: one row's weights read front to back, the line 4 KB ahead
 // prefetched. Eight blocks at a time: each block's lanes summed exactly in int32, then the eight
 // sums scaled and added as one vector, the offset terms too. Each block had its own scalar scale
-// broadcast into an FMA, its lanes converted apart, the offsets summed in a scalar loop: all of
-// SmolLM2's products from memory on an AVX-512 Xeon (2 threads) took 4.65 ms a token for int4-a16,
-// 4.39 for int4-a8; now 3.42 and 2.82 (512-bit products over two blocks: no faster). Rows taken four
-// at a time (one load of the int8 values per block for four rows) ran 1.2-2x slower from memory on a
-// Zen 4: four interleaved streams defeat the hardware prefetcher, which a single front-to-back stream
-// keeps busy. ``values``: the row's int8 values met by the low nibbles [K / 2], then by the high ones
+// broadcast into an FMA, its lanes converted apart, the offsets summed in a scalar loop: that was
+// markedly slower (512-bit products over two blocks: no faster). Rows taken four at a time (one
+// load of the int8 values per block for four rows) ran slower from memory: four interleaved
+// streams defeat the hardware prefetcher, which a single front-to-back stream keeps busy. ``values``: the row's int8 values met by the low nibbles [K / 2], then by the high ones
 // [K / 2]; Wide: then the fine parts, the same way (a value is 256 * coarse + fine).
 template <bool Wide>
 inline float w4aq_row(const int32_t* row, const float* srow, const float* orow, int64_t K, int64_t G, int64_t per,

@@ -59,9 +59,8 @@ def onednn_bf16_available() -> bool:
 @functools.cache
 def bf16_arithmetic() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX) and oneDNN uses it: there a
-    prompt's bf16 GEMM is 2–3.5× faster than fp32's (300 rows on a Zen 4: 576→3072 in 3.0 ms
-    against 11.6 with the weights upcast); elsewhere bf16 is emulated and fp32 is faster (AVX2 EPYC:
-    7.7 ms against 59)."""
+    prompt's bf16 GEMM beats fp32's several times over; elsewhere bf16 is emulated and fp32 is the
+    faster (``scripts/bench_decode.py`` shows which on the machine at hand)."""
     return machine.bf16_arithmetic() and onednn_bf16_available()
 
 

@@ -11,12 +11,11 @@ def default_token_cost(target) -> float:
     one-token forward.
 
     Float linears on a CPU take more rows for little more than their weight reads (about 0.05).
-    Our bf16 kernel reads a weight row once for all rows and pays arithmetic per row (about 0.25:
-    SmolLM2's compiled step on a Xeon took 1.13x / 1.63x / 3.02x a one-token step at 2 / 4 / 8
-    rows); the int4 and int8 kernels pay most of a step per row, priced at 0.7, so candidates are
-    sent only where they are nearly sure. A GPU step and a padded compiled step compute a fixed
-    number of rows (``Engine.step_rows``): more tokens are free. The measurements
-    (``scripts/step_cost.py``): docs/decoder.md, "What a verify row costs".
+    Our bf16 kernel reads a weight row once for all rows and pays arithmetic per row (about 0.25,
+    from compiled steps of 2, 4 and 8 rows against one); the int4 and int8 kernels pay most of a
+    step per row, priced at 0.7, so candidates are sent only where they are nearly sure. A GPU step
+    and a padded compiled step compute a fixed number of rows (``Engine.step_rows``): more tokens
+    are free. The measurements (``scripts/step_cost.py``): docs/decoder.md, "What a verify row costs".
     """
     padded = getattr(target, "compiled", None) is not None and not getattr(target, "rows_alone", False)
     if padded or target.device.type != "cpu":
