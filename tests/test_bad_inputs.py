@@ -321,37 +321,6 @@ CASES = {
         lambda t, m: _bad_model(t, m, _config(quantization_config={"quant_method": "gptq", "bits": 4})),
         "gptq",
     ),
-    "model config with more layers than the weights": (
-        lambda t, m: _bad_model(t, m, _config(num_hidden_layers=3)),
-        "layers.2",
-    ),
-    "model config with fewer layers than the weights": (
-        lambda t, m: _bad_model(t, m, _config(num_hidden_layers=1)),
-        "more blocks than its config",
-    ),
-    "model whose embeddings disagree with vocab_size": (
-        lambda t, m: _bad_model(t, m, _config(vocab_size=50000)),
-        "embed_tokens",
-    ),
-    "decode a model whose embeddings disagree with vocab_size": (
-        lambda t, m: _bad_decode_model(t, m, _config(vocab_size=50000)),
-        "embed_tokens",
-    ),
-    "model lacking a tensor": (lambda t, m: _bad_model(t, m, _NO_UP_PROJ), "up_proj"),
-    "model with a tensor of the wrong shape": (lambda t, m: _bad_model(t, m, _NARROW_UP_PROJ), "up_proj"),
-    "decode a model lacking a tensor": (lambda t, m: _bad_decode_model(t, m, _NO_UP_PROJ), "up_proj"),
-    "decode a model with a tensor of the wrong shape": (
-        lambda t, m: _bad_decode_model(t, m, _NARROW_UP_PROJ),
-        "up_proj",
-    ),
-    "decode a model whose config has more layers": (
-        lambda t, m: _bad_decode_model(t, m, _config(num_hidden_layers=3)),
-        "layers.2",
-    ),
-    "decode a model whose config has fewer layers": (
-        lambda t, m: _bad_decode_model(t, m, _config(num_hidden_layers=1)),
-        "more blocks than its config",
-    ),
     "eval a model lacking a tensor": (
         lambda t, m: ["eval", _bad_model(t, m, _NO_UP_PROJ)[3], "--windows", "1", "--seqlen", "32"],
         "up_proj",
@@ -495,6 +464,17 @@ BAD_FLAGS = {
         ("--lm-head", "int2"),
     ],
 }
+# model folders that parse but are broken: apply (streamed, a block at a time) and decode (loaded whole)
+BROKEN_FOLDERS = {
+    "whose config has more layers than the weights": (_config(num_hidden_layers=3), "layers.2"),
+    "whose config has fewer layers than the weights": (_config(num_hidden_layers=1), "more blocks than its config"),
+    "whose embeddings disagree with vocab_size": (_config(vocab_size=50000), "embed_tokens"),
+    "lacking a tensor": (_NO_UP_PROJ, "up_proj"),
+    "with a tensor of the wrong shape": (_NARROW_UP_PROJ, "up_proj"),
+}
+for _what, (_change, _words) in BROKEN_FOLDERS.items():
+    CASES[f"model {_what}"] = (lambda t, m, c=_change: _bad_model(t, m, c), _words)
+    CASES[f"decode a model {_what}"] = (lambda t, m, c=_change: _bad_decode_model(t, m, c), _words)
 COMMANDS = {
     "apply": _apply,
     "eval": lambda t, m, *extra: ["eval", str(m / "tiny"), *extra],
