@@ -139,7 +139,8 @@ def resolve(source: str) -> Path | str:
 
 
 def _check_folder(path: Path) -> None:
-    """A local model folder we can read safely: a JSON config that names no code, safetensors weights."""
+    """A local model folder we can read safely: a JSON config that names no code and no quantization
+    we cannot read, safetensors weights whose headers parse."""
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json: pass a Hugging Face model folder")
     try:
@@ -153,6 +154,12 @@ def _check_folder(path: Path) -> None:
             f"{path}/config.json names code to run (auto_map); compress runs no code from a "
             "model folder: use a model whose architecture transformers has built in"
         )
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method not in (None, "compressed-tensors", "bitsandbytes"):
+        raise ModelLoadError(
+            f"{path}: quantization method {method!r} cannot be read here (compressed-tensors and "
+            "bitsandbytes exports and plain checkpoints can); start from the unquantized model"
+        )
     if not any(path.glob("*.safetensors")):
         pickles = sorted(p.name for p in path.glob("*.bin")) + sorted(p.name for p in path.glob("*.pt"))
         why = (
@@ -162,6 +169,7 @@ def _check_folder(path: Path) -> None:
             else ": export the model as safetensors"
         )
         raise ModelLoadError(f"{path} has no *.safetensors weights,{why}")
+    Checkpoint(path)  # every header parses (a truncated or damaged file is named here, before any compute)
 
 
 def _dequantize_on_load(where) -> dict:

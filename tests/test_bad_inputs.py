@@ -311,25 +311,6 @@ CASES = {
         "another compress run",
     ),
     "model folder missing": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", str(t / "nope")], "nope"),
-    "model truncated safetensors": (lambda t, m: _bad_model(t, m, _truncate), "model.safetensors"),
-    "model bad safetensors header": (lambda t, m: _bad_model(t, m, _bad_header), "model.safetensors"),
-    "model with auto_map": (lambda t, m: _bad_model(t, m, _auto_map), "code"),
-    "model pickle only": (lambda t, m: _bad_model(t, m, _pickle_only), "pickle"),
-    "model without tokenizer files": (lambda t, m: _bad_model(t, m, _no_tokenizer), "tokenizer"),
-    "model of an unknown model_type": (lambda t, m: _bad_model(t, m, _config(model_type="nosuchmodel")), "nosuchmodel"),
-    "model with another tool's quantization_config": (
-        lambda t, m: _bad_model(t, m, _config(quantization_config={"quant_method": "gptq", "bits": 4})),
-        "gptq",
-    ),
-    "eval a model lacking a tensor": (
-        lambda t, m: ["eval", _bad_model(t, m, _NO_UP_PROJ)[3], "--windows", "1", "--seqlen", "32"],
-        "up_proj",
-    ),
-    "model without config": (lambda t, m: _bad_model(t, m, lambda f: (f / "config.json").unlink()), "config.json"),
-    "model config not JSON": (
-        lambda t, m: _bad_model(t, m, lambda f: (f / "config.json").write_text("{")),
-        "config.json",
-    ),
     "model hub id offline": (lambda t, m: ["apply", _recipe(t, RECIPE), "--model", "nobody/nothing-9z"], "nobody"),
     # calibration and evaluation text
     "calibration file missing": (lambda t, m: _apply(t, m, recipe=DATA_RECIPE.format(str(t / "none.txt"))), "none.txt"),
@@ -466,6 +447,18 @@ BAD_FLAGS = {
 }
 # model folders that parse but are broken: apply (streamed, a block at a time) and decode (loaded whole)
 BROKEN_FOLDERS = {
+    "with a truncated safetensors": (_truncate, "model.safetensors"),
+    "with a bad safetensors header": (_bad_header, "model.safetensors"),
+    "with auto_map": (_auto_map, "code"),
+    "with pickle weights only": (_pickle_only, "pickle"),
+    "without tokenizer files": (_no_tokenizer, "tokenizer"),
+    "of an unknown model_type": (_config(model_type="nosuchmodel"), "nosuchmodel"),
+    "with another tool's quantization_config": (
+        _config(quantization_config={"quant_method": "gptq", "bits": 4}),
+        "gptq",
+    ),
+    "without config": (lambda f: (f / "config.json").unlink(), "config.json"),
+    "whose config is not JSON": (lambda f: (f / "config.json").write_text("{"), "config.json"),
     "whose config has more layers than the weights": (_config(num_hidden_layers=3), "layers.2"),
     "whose config has fewer layers than the weights": (_config(num_hidden_layers=1), "more blocks than its config"),
     "whose embeddings disagree with vocab_size": (_config(vocab_size=50000), "embed_tokens"),
@@ -475,6 +468,10 @@ BROKEN_FOLDERS = {
 for _what, (_change, _words) in BROKEN_FOLDERS.items():
     CASES[f"model {_what}"] = (lambda t, m, c=_change: _bad_model(t, m, c), _words)
     CASES[f"decode a model {_what}"] = (lambda t, m, c=_change: _bad_decode_model(t, m, c), _words)
+    CASES[f"eval a model {_what}"] = (
+        lambda t, m, c=_change: ["eval", _bad_model(t, m, c)[3], "--seqlen", "32"],
+        _words,
+    )
 COMMANDS = {
     "apply": _apply,
     "eval": lambda t, m, *extra: ["eval", str(m / "tiny"), *extra],
