@@ -286,12 +286,18 @@ def _prompt_ids(args, tokenizer):
     if args.raw or tokenizer.chat_template is None:
         prompt = tokenizer(args.prompt, return_tensors="pt")["input_ids"]
     else:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": args.prompt}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )["input_ids"]
+        from jinja2 import TemplateError
+
+        try:
+            prompt = tokenizer.apply_chat_template(
+                [{"role": "user", "content": args.prompt}],
+                add_generation_prompt=True,
+                return_tensors="pt",
+                return_dict=True,
+            )["input_ids"]
+        except TemplateError as e:  # a broken template, or one the sandbox stopped
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise decode.DecodeError(f"the model's chat template failed ({why}); fix it, or pass --raw") from None
     if prompt.numel() == 0:
         raise decode.DecodeError("the prompt is empty: give --prompt some text")
     return prompt

@@ -144,6 +144,14 @@ def _bad_decode_model(tmp, m, change):
     return ["decode", str(folder), "--prompt", "hello", "--max-new-tokens", "2"]
 
 
+def _escaping_template(folder):
+    """A chat template that reaches for Python's internals (Jinja's sandbox refuses it)."""
+    (folder / "chat_template.jinja").write_text("{{ ''.__class__.__mro__[1].__subclasses__() }}")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 def _pickle_only(folder):
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
 
@@ -353,6 +361,10 @@ CASES = {
     "decode --layers out of range": (lambda t, m: _decode(m, "--method", "self-spec", "--layers", "0-99"), "--layers"),
     "decode prompt longer than the context": (lambda t, m: _decode(m, "--raw", prompt="word " * 400), "context"),
     "decode --max-new-tokens past the context": (lambda t, m: _decode(m, "--max-new-tokens", "10000000"), "context"),
+    "decode with a chat template leaving the sandbox": (
+        lambda t, m: _bad_decode_model(t, m, _escaping_template),
+        "chat template",
+    ),
     "decode --kernel int4 on a model without 4-bit weights": (lambda t, m: _decode(m, "--kernel", "int4"), "4-bit"),
     "decode --datastore is a folder": (
         lambda t, m: _decode(m, "--method", "prompt-lookup", "--datastore", str(t)),
