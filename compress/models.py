@@ -115,8 +115,12 @@ def _intact(target: Path) -> bool:
         if not stamp.exists():  # converted by a version that wrote no sizes: these are them from now on
             sizes = {f.name: f.stat().st_size for f in target.iterdir() if f.is_file()}
             partial = stamp.with_name(f"{stamp.name}.{os.getpid()}")
-            partial.write_text(json.dumps(sizes))
-            os.replace(partial, stamp)
+            try:
+                partial.write_text(json.dumps(sizes))
+                os.replace(partial, stamp)
+            except OSError:  # a read-only cache: its headers parsed, which is what can be checked
+                partial.unlink(missing_ok=True)
+                return True
         sizes = json.loads(stamp.read_text())
         return all((target / name).stat().st_size == size for name, size in sizes.items())
     except (OSError, ValueError, AttributeError, CheckpointError):
