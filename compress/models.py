@@ -278,9 +278,10 @@ def _tokenizer(where, trust_remote_code: bool, local_only: bool):
 
 def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = False, local_only: bool = True):
     """The model alone, whole, in eval mode (for decoding). Factored exports, exports with a LoRA
-    adapter, bitsandbytes 4-bit exports and exports with an FP8 KV cache (which transformers 5.24
-    runs unrounded, docs/formats.md) are read as ``lazy`` reads them; the rest through transformers,
-    so that W8A8 linears carry compressed-tensors' attributes, which the int8 decode kernels read."""
+    adapter, bitsandbytes 4-bit exports, exports with an FP8 KV cache (which transformers 5.24
+    runs unrounded, docs/formats.md) or float-quantized inputs are read as ``lazy`` reads them; the
+    rest through transformers, so that W8A8 linears carry compressed-tensors' attributes, which the
+    int8 decode kernels read."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(where, Path):
@@ -289,6 +290,7 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
             factored.CONFIG_KEY in config
             or config.get("quantization_config", {}).get("quant_method") == "bitsandbytes"
             or config.get("quantization_config", {}).get("kv_cache_scheme")
+            or _rounds_float_inputs(config.get("quantization_config", {}))
             or (where / "adapter" / "adapter_config.json").exists()
         ):
             return lazy.open_model(where, dtype, trust_remote_code).load_all()
@@ -321,6 +323,14 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
         kv = {k: v for k, v in kv.items() if k != "method"}
         kv_quant.install(model, kv)
     return model.eval()
+
+
+def _rounds_float_inputs(qconfig: dict) -> bool:
+    """Quantized inputs other than W8A8's int8: transformers' dequantizing load drops them, so the
+    model would score as if its activations were 16-bit; our reader rounds them as served."""
+    return qconfig.get("format") != "int-quantized" and any(
+        group.get("input_activations") for group in qconfig.get("config_groups", {}).values()
+    )
 
 
 def _refuse_an_incomplete_checkpoint(where, info: dict, config) -> None:
