@@ -135,9 +135,7 @@ def _eval(args) -> None:
         ref_model = ref.model
     context = getattr(loaded.model.config, "max_position_embeddings", None)
     if context and args.seqlen and args.seqlen > context:
-        raise ExportError(
-            f"--seqlen {args.seqlen} is past {args.model}'s context of {context} tokens; give at most that"
-        )
+        raise DataError(f"--seqlen {args.seqlen} is past {args.model}'s context of {context} tokens; give at most that")
     result = evaluate(loaded.model, loaded.tokenizer, args.ppl, args.seqlen, args.windows, ref_model, device=device)
     if not distributed.is_main():  # torchrun: every rank scored its windows; rank 0 reports
         return

@@ -166,12 +166,17 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def _ours(out: Path) -> set[str]:
+    """The files earlier reports wrote into ``out`` (their manifest)."""
+    try:
+        return set(json.loads((out / MANIFEST).read_text()).get("files", []))
+    except (OSError, ValueError, AttributeError):
+        return set()
+
+
 def _refuse_to_replace_what_others_wrote(out: Path) -> None:
     """As ``apply --overwrite``: a file of ours is replaced only if a report of ours wrote it."""
-    try:
-        ours = set(json.loads((out / MANIFEST).read_text()).get("files", []))
-    except (OSError, ValueError, AttributeError):
-        ours = set()
+    ours = _ours(out)
     theirs = [n for n in ["report.md", *PLOTS, TIMES_PLOT] if (out / n).exists() and n not in ours]
     if theirs:
         raise ReportError(
@@ -213,7 +218,9 @@ def write(folders: list[str | Path], out: str | Path, overwrite: bool = False) -
 def _write_all(records: list[dict], out: Path, protocols: list[str], plots: bool, note: str):
     out.mkdir(parents=True, exist_ok=True)
     # claimed before they are written, so that a run stopped halfway leaves files a later one may replace
-    _write_text(out / MANIFEST, json.dumps({"files": ["report.md", *(list(PLOTS) + [TIMES_PLOT] if plots else [])]}))
+    # (with what earlier reports wrote there: a run without matplotlib leaves their plots in place)
+    files = {"report.md", *(list(PLOTS) + [TIMES_PLOT] if plots else [])} | _ours(out)
+    _write_text(out / MANIFEST, json.dumps({"files": sorted(files)}))
     written = []
     if plots:
         written += [p for p in [_plot(records, file, out) for file in PLOTS] + [_plot_times(records, out)] if p]
