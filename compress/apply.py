@@ -365,6 +365,14 @@ def _check_processes(recipe: Recipe, samples: int, windows: int | None, resume_r
         raise distributed.DistributedError(f"--windows {windows} is fewer than the {n} processes; give each one")
 
 
+def _increase(e: dict) -> str:
+    """Perplexity after minus before, with its standard error over windows when there is one."""
+    if e.get("ppl") is None or e.get("ref_ppl") is None:
+        return "—"
+    se = e.get("increase_se")
+    return f"{e['ppl'] - e['ref_ppl']:+.3f}" + ("" if se is None else f" ± {se:.3f}")
+
+
 def format_table(reports: list[Report]) -> str:
     head = [
         "method",
@@ -374,6 +382,7 @@ def format_table(reports: list[Report]) -> str:
         "size MB",
         "ppl before",
         "ppl after",
+        "increase",
         "KL",
         "top-1",
         "time s",
@@ -392,6 +401,7 @@ def format_table(reports: list[Report]) -> str:
                 f"{r.size_mb:.1f}",
                 fmt(e.get("ref_ppl"), ".3f"),
                 fmt(e.get("ppl"), ".3f"),
+                _increase(e),
                 fmt(e.get("kl"), ".4f"),
                 fmt(e.get("top1"), ".3f"),
                 f"{r.compress_s:.1f}",

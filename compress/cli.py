@@ -143,12 +143,16 @@ def _eval(args) -> None:
     print(f"protocol: {result.protocol}")
     if args.bitsandbytes:
         print(f"bitsandbytes {args.bitsandbytes}: {bits:.3f} bits per weight over {count:,} linear weights")
-    print(f"perplexity: {result.ppl:.4f}")
+    print(f"perplexity: {result.ppl:.4f}" + (f" ± {result.ppl_se:.4f}" if result.ppl_se is not None else ""))
     if ref_model is not None:
         print(
             f"reference perplexity: {result.ref_ppl:.4f}    KL: {result.kl:.5f} nats/token    "
             f"top-1 agreement: {result.top1:.4f}"
         )
+        if result.increase_se is not None:
+            print(f"increase: {result.ppl - result.ref_ppl:+.4f} ± {result.increase_se:.4f} (paired over windows)")
+    if result.ppl_se is not None:
+        print("±: one standard error over the windows (docs/evaluation.md)")
     if args.write_report:
         print(f"report: {export.add_evaluation(Path(args.model), result.as_dict())}")
 
@@ -358,10 +362,10 @@ def _report(args) -> None:
 def _recipes(args) -> None:
     from .recipe import shipped
 
-    rows = shipped()
-    width = max(len(n) for n, _ in rows)
-    for name, summary in rows:
-        print(f"{name.ljust(width)}  {summary}")
+    rows = [("recipe", "stores", "what it does"), *shipped()]
+    name_width, stores_width = (max(len(row[i]) for row in rows) for i in (0, 1))
+    for name, stored, summary in rows:
+        print(f"{name.ljust(name_width)}  {stored.ljust(stores_width)}  {summary}")
 
 
 def _terminated(signum, frame):

@@ -44,6 +44,10 @@ class EvalResult:
     ref_ppl: float | None = None
     kl: float | None = None  # mean KL(reference ‖ model), nats per token
     top1: float | None = None  # share of positions where both models' argmax agree
+    # Standard errors over windows (None with one window): of the perplexity, and of its increase
+    # over the reference's, paired window by window (the windows' own difficulty cancels there).
+    ppl_se: float | None = None
+    increase_se: float | None = None
 
     def as_dict(self):
         return asdict(self)
@@ -74,11 +78,35 @@ def _head(model):
 
 
 class _Score:
-    """Running sums for one model: NLL, and against the reference KL and top-1 agreement."""
+    """Running sums for one model: NLL, and against the reference KL and top-1 agreement; and over
+    windows, the sums and squares of each window's mean NLL and of its difference from the
+    reference's, for the standard errors."""
 
     def __init__(self):
         self.nll = self.kl = 0.0
         self.agree = self.count = 0
+        self.window_nll = 0.0  # the current window's NLL, then its mean
+        self.x = self.xx = self.d = self.dd = 0.0
+
+    def end_window(self, tokens: int, ref: _Score | None) -> None:
+        self.window_nll /= tokens
+        self.x += self.window_nll
+        self.xx += self.window_nll**2
+        if ref is not None:
+            diff = self.window_nll - ref.window_nll / tokens
+            self.d += diff
+            self.dd += diff**2
+
+    def totals(self) -> list[float]:
+        return [self.nll, self.kl, self.agree, self.count, self.x, self.xx, self.d, self.dd]
+
+
+def _standard_error(total: float, squares: float, n: int) -> float | None:
+    """Of the mean of ``n`` values given their sum and sum of squares."""
+    if n < 2:
+        return None
+    mean = total / n
+    return math.sqrt(max(squares / n - mean * mean, 0.0) * n / (n - 1) / n)
 
 
 @torch.no_grad()
@@ -122,12 +150,22 @@ def _score(
             for name, logp in logps.items():
                 sc = scores[name]
                 t = targets[start : start + chunk, None].to(logp.device)
-                sc.nll -= logp.gather(1, t).sum().item()
+                nll = -logp.gather(1, t).sum().item()
+                sc.nll += nll
+                sc.window_nll += nll
                 sc.count += t.shape[0]
                 if ref is not None and name != _REF:
                     ref = ref.to(logp.device)
                     sc.kl += (ref.exp() * (ref - logp)).sum().item()
                     sc.agree += (ref.argmax(-1) == logp.argmax(-1)).sum().item()
+        reference = scores.get(_REF)
+        for name, sc in scores.items():  # the reference's last, as its window sum is read above
+            if name != _REF:
+                sc.end_window(len(targets), reference)
+                sc.window_nll = 0.0
+        if reference is not None:
+            reference.end_window(len(targets), None)
+            reference.window_nll = 0.0
 
 
 @contextlib.contextmanager
@@ -189,19 +227,22 @@ def evaluate_many(
         for m in everyone.values():
             stack.enter_context(_head_for_compute(m.model, device))
         _score(data, hidden, heads, scores, progress)
+    n = int(distributed.total(float(len(data)))[0])
     for sc in scores.values():  # sums over every rank's windows
-        sc.nll, sc.kl, sc.agree, sc.count = distributed.total(sc.nll, sc.kl, sc.agree, sc.count)
-    protocol = f"{describe_source(source, 'test')}, {windows} × {seqlen} tokens"
+        sc.nll, sc.kl, sc.agree, sc.count, sc.x, sc.xx, sc.d, sc.dd = distributed.total(*sc.totals())
+    protocol = f"{describe_source(source, 'test')}, {n} × {seqlen} tokens"
     ref_ppl = math.exp(scores[_REF].nll / scores[_REF].count) if reference is not None else None
     out = {}
     for name in models:
         sc = scores[name]
-        if reference is None:
-            out[name] = EvalResult(protocol, math.exp(sc.nll / sc.count))
-        else:
-            out[name] = EvalResult(
-                protocol, math.exp(sc.nll / sc.count), ref_ppl, sc.kl / sc.count, sc.agree / sc.count
-            )
+        ppl = math.exp(sc.nll / sc.count)
+        se = _standard_error(sc.x, sc.xx, n)  # of the mean NLL: times ppl for the perplexity's
+        result = EvalResult(protocol, ppl, ppl_se=None if se is None else ppl * se)
+        if reference is not None:
+            se = _standard_error(sc.d, sc.dd, n)
+            result.ref_ppl, result.kl, result.top1 = ref_ppl, sc.kl / sc.count, sc.agree / sc.count
+            result.increase_se = None if se is None else ppl * se
+        out[name] = result
     return out
 
 

@@ -216,10 +216,42 @@ def load(path: str | Path) -> Recipe:
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 
 
-def shipped() -> list[tuple[str, str]]:
-    """(name, one-line description) of every recipe in recipes/."""
+_FLOAT_NAMES = {"fp8": "FP8", "fp8_block": "FP8-block", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
+
+
+def stores(recipe: Recipe) -> str:
+    """What a recipe leaves, in the field's shorthand: weights (W4, W-NVFP4), inputs (A8, A-FP8),
+    KV cache (KV4, KV-FP8), sparsity, low rank and adapters; "dense" when it changes no weights."""
+    weights = inputs = None
+    extra = []
+    for p in recipe.passes:
+        o, rounding = p.options, p.rounding
+        if rounding is not None:
+            weights = f"W{rounding.bits}" if rounding.format == "int" else f"W-{_FLOAT_NAMES[rounding.format]}"
+        if p.name == "qlora" and p.weight_bits:
+            weights = "W-NF4"
+        if p.name == "smoothquant":
+            inputs = "A8"
+        elif p.name == "activations":
+            inputs = f"A-{_FLOAT_NAMES[o.format]}"
+        elif p.name == "kv_cache":
+            extra.append(f"KV{o.bits}")
+        elif p.name == "kv_fp8":
+            extra.append("KV-FP8")
+        elif p.name == "lowrank":
+            extra.append(f"rank: {o.ratio:.0%} of params")
+        elif p.name in ("lorc", "qlora"):
+            extra.append("+LoRA")
+        pattern = getattr(o, "pattern", None)
+        if pattern is not None:
+            extra.append(pattern if ":" in pattern else f"{o.sparsity or 0.5:.0%} sparse")
+    return " ".join(t for t in (weights, inputs, *dict.fromkeys(extra)) if t) or "dense"
+
+
+def shipped() -> list[tuple[str, str, str]]:
+    """(name, what it stores, one-line description) of every recipe in recipes/."""
     out = []
     for path in sorted(RECIPES_DIR.glob("*.yaml")):
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        out.append((path.stem, str(data.get("description", "")).strip()))
+        recipe = load(path)
+        out.append((path.stem, stores(recipe), str(recipe.fields.description or "").strip()))
     return out

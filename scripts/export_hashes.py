@@ -139,7 +139,7 @@ def run(recipe_name: str, model: Path, out: Path, samples: int, seqlen: int) -> 
 def measure(smollm2: bool, only: list[str] | None = None) -> dict[str, dict]:
     from compress import recipe as recipes
 
-    names = [name for name, _ in recipes.shipped() if not only or name in only]
+    names = [name for name, *_ in recipes.shipped() if not only or name in only]
     result: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)

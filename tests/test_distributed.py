@@ -66,7 +66,7 @@ def test_two_processes_write_the_export_one_process_writes(passes, model_folder,
         assert torch.equal(one[name], two[name]), name
     assert sorted(p.name for p in outputs[2].iterdir()) == sorted(p.name for p in outputs[1].iterdir())
     reports = [json.loads((outputs[n] / "report.json").read_text())["eval"] for n in (1, 2)]
-    for key in ("ppl", "ref_ppl", "kl", "top1"):  # the windows split across ranks, the sums combined
+    for key in ("ppl", "ref_ppl", "kl", "top1", "ppl_se", "increase_se"):  # windows split across ranks, sums combined
         assert reports[1][key] == pytest.approx(reports[0][key], rel=1e-9, abs=1e-12), key
 
 

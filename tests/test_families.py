@@ -152,6 +152,28 @@ def test_kivi_evaluation_and_greedy_decoding_run_on_every_family(model_type):
     assert ours == theirs
 
 
+def test_standard_errors_are_those_of_the_windows_mean_nll_and_of_its_paired_difference():
+    model = family("llama")
+    rounded = copy.deepcopy(model)
+    compress_with(rounded, "  - rtn: {bits: 2, group_size: 16}\n")
+    windows = torch.randint(0, 128, (5, 32), generator=torch.Generator().manual_seed(0))
+    result = evaluate(rounded, None, data=windows, seqlen=32, windows=5, reference=model, progress=False)
+
+    def window_nll(m):  # each window's mean NLL, as transformers computes it
+        with torch.no_grad():
+            logits = m(windows).logits[:, :-1].float()
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none").mean(1)
+
+    mine, theirs = window_nll(rounded).double(), window_nll(model).double()
+    n = len(windows)
+    assert result.ppl == pytest.approx(mine.mean().exp().item(), rel=1e-4)
+    assert result.ppl_se == pytest.approx(result.ppl * (mine.std() / n**0.5).item(), rel=1e-3)
+    assert result.increase_se == pytest.approx(result.ppl * ((mine - theirs).std() / n**0.5).item(), rel=1e-3)
+    assert 0 < result.increase_se < result.ppl_se  # pairing removes the windows' own difficulty
+    one = evaluate(rounded, None, data=windows[:1], seqlen=32, windows=1, reference=model, progress=False)
+    assert one.ppl_se is None and one.increase_se is None  # one window: no spread to measure
+
+
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_w4a4_nvfp4_with_an_fp8_kv_cache_calibrates_exports_and_reloads_on_every_family(model_type, tmp_path):
     """NVFP4 weights and inputs (calibrated global scales) and an FP8 KV cache (calibrated k/v scales):

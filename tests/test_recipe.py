@@ -61,15 +61,24 @@ def test_every_shipped_recipe_parses_and_has_a_summary():
 
     names = shipped()
     assert names
-    for name, summary in names:
+    for name, _, summary in names:
         assert summary, name
         load(name)
+
+
+def test_the_listing_says_what_each_recipe_stores():
+    stored = {name: what for name, what, _ in shipped()}
+    assert stored["rtn-w4"] == "W4" and stored["smoothquant-w8a8"] == "W8 A8"
+    assert stored["nvfp4"] == "W-NVFP4 A-NVFP4" and stored["fp8-dynamic"] == "W-FP8 A-FP8"
+    assert stored["sparsegpt-2of4-w4"] == "W4 2:4" and stored["wanda-50"] == "50% sparse"
+    assert stored["awq-w4-kv4"] == "W4 KV4" and stored["kv-fp8"] == "KV-FP8"
+    assert stored["svdllm-80"] == "rank: 80% of params" and stored["qlora-nf4"] == "W-NF4 +LoRA"
 
 
 def test_every_shipped_recipe_parses():
     from compress.recipe import RECIPES_DIR, load
 
-    names = [name for name, _ in shipped()]
+    names = [name for name, *_ in shipped()]
     assert len(names) > 20
     for name in names:
         assert load(RECIPES_DIR / f"{name}.yaml").passes, name
