@@ -296,7 +296,7 @@ def test_compiled_verify_steps_round_as_compiled_one_token_steps(package_folder)
     one-token steps bit for bit (at cache lengths on both sides of the span's alignment), so prompt
     lookup on the compiled engine gives exactly the compiled engine's greedy tokens. (On this tiny
     model the rows agree even without the alignment; on SmolLM2 they did not: see
-    ``scripts/step_cost.py --compile`` and docs/design.md.)"""
+    ``scripts/step_cost.py --compile`` and docs/decoder.md.)"""
     model = tiny("llama", layers=2)
     engine = Engine(model, kernel="bf16", compile=True, step_rows=4)
     prompt = _prompt(56)

@@ -2,8 +2,8 @@
 
 Why our own forward rather than transformers' with a static cache: most of a decoded token's
 time in transformers' eager modeling code is overhead (mask construction, cache bookkeeping,
-many small modules and ops), not the arithmetic or the weight reads (docs/design.md, "The
-decode engine"). The forward below does per layer what the paper-level model
+many small modules and ops), not the arithmetic or the weight reads (docs/decoder.md, "Our
+own forward"). The forward below does per layer what the paper-level model
 needs and nothing else: one fused q/k/v matmul, RMSNorm, rotary from a precomputed table, a
 write into the preallocated cache, SDPA over the filled part, one fused gate/up matmul. It
 reads the weights from the loaded transformers model, so everything ``models.load`` reads

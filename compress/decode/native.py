@@ -6,7 +6,7 @@ machine's C++ compiler on first use and kept on disk.
 Why: on a CPU without AVX-512 (AMD Zen 1-3) torch has no fast product for bf16 or int4 weights.
 oneDNN refuses bf16 weights there, aten's bf16 GEMV and inductor's generated GEMV stream far
 below the memory's rate, torch's int4 kernel is compute-bound, and SDPA's one-row call is mostly
-overhead (the measurements: docs/design.md, "Our own kernels for AVX2 CPUs"). These kernels
+overhead (the measurements: docs/decoder.md, "Our own kernels for AVX2 CPUs"). These kernels
 convert bf16 with one shift or mask per 8 weights and int4 with a shift, a mask and a conversion,
 accumulate in fp32, and parallelise over output rows.
 
