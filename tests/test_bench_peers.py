@@ -5,7 +5,10 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_a_peer_past_its_timeout_is_killed_and_its_progress_bar_names_where(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
     import bench_peers

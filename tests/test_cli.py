@@ -13,6 +13,7 @@ def run(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "compress.cli", *args], capture_output=True, text=True, cwd=cwd)
 
 
+@pytest.mark.slow
 def test_apply_exports_and_reports(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text(
@@ -37,6 +38,7 @@ def test_apply_exports_and_reports(tmp_path):
     assert again.returncode == 2 and "exists; pass --overwrite" in again.stderr
 
 
+@pytest.mark.slow
 def test_eval_fills_in_the_report_of_an_export_made_without_evaluation(tmp_path):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("passes:\n  - rtn: {bits: 8, group_size: -1}\n")
@@ -108,6 +110,7 @@ def test_decode_refuses_our_avx2_kernels_where_they_are_off(monkeypatch):
     assert result.returncode == 2 and "--kernel int4-avx2: our AVX2 kernels are not available here" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not native.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
 def test_decode_rounds_the_lm_head_only_when_asked():
     args = ("decode", "smollm2-135m", "--prompt", "hi", "--method", "greedy", "--max-new-tokens", "4")
@@ -117,6 +120,7 @@ def test_decode_rounds_the_lm_head_only_when_asked():
     assert "lm_head: int4-a8" in result.stderr and "qkv: bf16-avx2" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not native.available(), reason="no AVX2/FMA CPU or no C++ compiler here")
 def test_decode_argmax_head_decodes_greedily_only():
     args = ("decode", "smollm2-135m", "--prompt", "hi", "--max-new-tokens", "4", "--lm-head", "argmax")
@@ -128,6 +132,7 @@ def test_decode_argmax_head_decodes_greedily_only():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_decode_prompt_lookup_prints_the_greedy_output():
     prompt = "Repeat after me: the quick brown fox jumps over the lazy dog."
     # one named kernel: ``auto`` keeps its timings per machine, but the first two processes on a
@@ -153,6 +158,7 @@ def test_decode_prompt_lookup_prints_the_greedy_output():
     assert "tokens per target forward" in runs["prompt-lookup"].stderr
 
 
+@pytest.mark.slow
 def test_decode_datastore_keeps_each_output_and_is_refused_outside_prompt_lookup(tmp_path):
     store = tmp_path / "store.json"
     result = run("decode", "smollm2-135m", "--prompt", "hi", "--method", "greedy", "--datastore", str(store))

@@ -239,6 +239,7 @@ def _compiled_or_skip(engine: Engine) -> None:
         pytest.skip(engine.note)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
 def test_compiled_step_computes_what_the_eager_step_computes(model_type, package_folder, monkeypatch):
     """The compiled one-token step (frozen weights, inductor's own GEMMs, logits in the graph)
@@ -291,6 +292,7 @@ def test_old_packages_go_least_recently_used_first(tmp_path, monkeypatch):
         Engine(tiny("llama"), kernel="fp32", compile=True)
 
 
+@pytest.mark.slow
 def test_compiled_verify_steps_round_as_compiled_one_token_steps(package_folder):
     """In bf16, where summation order shows, a compiled k-token verify step equals k compiled
     one-token steps bit for bit (at cache lengths on both sides of the span's alignment), so prompt
@@ -314,6 +316,7 @@ def test_compiled_verify_steps_round_as_compiled_one_token_steps(package_folder)
     assert result.proposed <= 3 * (result.forwards - 1)
 
 
+@pytest.mark.slow
 def test_compiled_steps_on_native_kernels_take_exactly_their_tokens(package_folder):
     """On our kernels, which compute every row alone, the compiled graph takes 1 to ``step_rows``
     rows unpadded (a one-token step pays for one row): a 4-token verify step still equals 4

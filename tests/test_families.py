@@ -298,6 +298,7 @@ def test_a_hub_moe_checkpoint_is_read_block_by_block_and_decodes_as_transformers
     assert greedy(ours, prompt, 8).tokens == theirs
 
 
+@pytest.mark.slow
 def test_apply_on_a_moe_checkpoint_prints_expert_tokens_warns_and_exports(tmp_path):
     """End to end on the command line: scripts/tiny_moe.py's model (an expert the router never
     picks), `compress apply` with GPTQ, then `compress eval` on the export."""

@@ -151,6 +151,7 @@ def test_bad_recovery_recipes_are_refused(passes, message):
         parse("passes:\n" + passes)
 
 
+@pytest.mark.slow
 def test_a_few_distillation_steps_lower_the_loss_on_real_data(tmp_path):
     """`compress apply` on SmolLM2: first ten blocks at RTN W3, then 6 distillation steps on
     scales and norms over the same 2 × 128 wikitext tokens; the loss must fall."""
