@@ -35,8 +35,8 @@ class Calibration(_Strict):
     min_expert_tokens: int = Field(16, ge=0)
     route_all_experts: bool = False  # every expert computes on every token for statistics
     # what the blocks compute in while calibrating: auto is float32 on a CPU and the model's dtype
-    # on a GPU; bfloat16 halves a CPU sweep where the CPU multiplies bf16 in hardware (AVX512-BF16
-    # or AMX), as a GPU computes (AWQ W4 on SmolLM2, Zen 4: 290 s against 511; docs/results.md)
+    # on a GPU; bfloat16 shortens a CPU sweep where the CPU multiplies bf16 in hardware (AVX512-BF16
+    # or AMX), computing as a GPU does (measured: docs/results.md, "AWQ W4 in five minutes")
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
 
 

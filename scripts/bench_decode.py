@@ -102,9 +102,8 @@ def datastore(path: str, model, tokenizer, new_tokens: int, eos: set[int], devic
 
 def read_bandwidth(device: torch.device, megabytes: int = 512, passes: int = 10) -> float:
     """GB/s of summing a buffer far larger than the caches (the pages touched first): the fastest of
-    ``passes`` passes. Neighbours on this project's shared CPUs slow a pass by up to a third, and a
-    probe that caught them (17.1 GB/s, against 22.8 the day before on the same machine) put decode
-    steps at 121% of it."""
+    ``passes`` passes. Neighbours on a shared CPU slow a pass by up to a third, and a probe that
+    caught them once put decode steps above 100% of the bandwidth: hence the fastest pass."""
     buffer = torch.randn(megabytes * 2**20 // 4, device=device)
     buffer.sum()
     sync(device)
