@@ -122,8 +122,8 @@ def _plot(records: list[dict], file: str, out: Path) -> Path | None:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
     ax.scatter([p[0] for p in points], [p[1] for p in points], color="tab:blue", zorder=3)
-    for x, y, label in points:
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+    if log_y:
+        ax.set_yscale("log")
     front = [points[i] for i in pareto([(p[0], p[1]) for p in points])]
     ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="tab:orange", label="Pareto front")
     references = {r["ref_ppl"] for r in records if y_key == "ppl" and r.get("ref_ppl") is not None}
@@ -131,11 +131,38 @@ def _plot(records: list[dict], file: str, out: Path) -> Path | None:
         ax.axhline(references.pop(), color="grey", linestyle="--", linewidth=1, label="original")
     ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
-    if log_y:
-        ax.set_yscale("log")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    label_points(ax, points)
     return _save(fig, out / file)
+
+
+def label_points(ax, points: list[tuple[float, float, str]]) -> list:
+    """Each point's label beside it, moved a line down at a time (with a thin line back to its point)
+    until it overlaps no label placed before it: recipes of one size and close scores would
+    otherwise print on top of each other. Returns the labels."""
+    from matplotlib.text import Text
+
+    renderer = ax.figure.canvas.get_renderer()
+    placed, texts = [], []
+    for x, y, label in sorted(points, key=lambda p: (-p[1], p[0])):
+        for line in range(len(points) + 1):
+            text = ax.annotate(
+                label,
+                (x, y),
+                textcoords="offset points",
+                xytext=(5, 3 - 9 * line),
+                fontsize=7,
+                arrowprops={"arrowstyle": "-", "color": "grey", "linewidth": 0.5} if line else None,
+            )
+            text.update_positions(renderer)  # where it will be drawn
+            box = Text.get_window_extent(text, renderer)  # the words alone, not the line to the point
+            if line == len(points) or not any(box.overlaps(other) for other in placed):
+                break
+            text.remove()
+        placed.append(box)
+        texts.append(text)
+    return texts
 
 
 def _plot_times(records: list[dict], out: Path) -> Path | None:

@@ -91,3 +91,25 @@ def test_report_says_what_is_wrong_in_one_line(tmp_path, capsys):
     assert "is a file" in capsys.readouterr().err
     assert main(["report", str(a), str(b), "--output", str(tmp_path / "r")]) == 0
     assert "different protocols" in capsys.readouterr().out
+
+
+def test_labels_of_nearby_points_do_not_overlap():
+    """rtn-w4 beside gptq-w4 (one size, close perplexities) once printed on top of each other."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = [(4.25, 25.91, "gptq-w4"), (4.25, 25.88, "rtn-w4"), (4.26, 25.7, "awq-w4"), (8.0, 20.4, "rtn-w8")]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
+    ax.scatter([p[0] for p in points], [p[1] for p in points])
+    ax.set_yscale("log")
+    texts = report.label_points(ax, points)
+    from matplotlib.text import Text
+
+    renderer = fig.canvas.get_renderer()
+    for t in texts:
+        t.update_positions(renderer)
+    boxes = [Text.get_window_extent(t, renderer) for t in texts]
+    assert sorted(t.get_text() for t in texts) == sorted(p[2] for p in points)
+    assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
+    plt.close(fig)
