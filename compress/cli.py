@@ -82,6 +82,8 @@ def _apply(args) -> None:
     if report.eval:
         print(f"evaluation: {report.eval['protocol']}")
     print(format_table([report]))
+    if report.eval and report.eval.get("increase_se") is not None:
+        print("±: one standard error over the windows, paired with the original's (docs/evaluation.md)")
 
 
 def _export(args) -> None:
