@@ -85,17 +85,14 @@ class _Score:
     def __init__(self):
         self.nll = self.kl = 0.0
         self.agree = self.count = 0
-        self.window_nll = 0.0  # the current window's NLL, then its mean
         self.x = self.xx = self.d = self.dd = 0.0
 
-    def end_window(self, tokens: int, ref: _Score | None) -> None:
-        self.window_nll /= tokens
-        self.x += self.window_nll
-        self.xx += self.window_nll**2
-        if ref is not None:
-            diff = self.window_nll - ref.window_nll / tokens
-            self.d += diff
-            self.dd += diff**2
+    def add_window(self, mean_nll: float, reference_mean_nll: float | None) -> None:
+        self.x += mean_nll
+        self.xx += mean_nll**2
+        if reference_mean_nll is not None:
+            self.d += mean_nll - reference_mean_nll
+            self.dd += (mean_nll - reference_mean_nll) ** 2
 
     def totals(self) -> list[float]:
         return [self.nll, self.kl, self.agree, self.count, self.x, self.xx, self.d, self.dd]
@@ -141,6 +138,7 @@ def _score(
     # minutes with a large vocabulary (Gemma-3's 262k): a bar, not silence
     for w, window in enumerate(tqdm(data, desc="scoring", unit="window", disable=not progress)):
         targets = window[1:]
+        window_nll = dict.fromkeys(scores, 0.0)
         chunk = max(1, (1 << 26) // max(vocab for _, vocab in heads.values()))
         for start in range(0, len(targets), chunk):  # a window's logits are ~400 MB: a chunk at a time
             logps = {
@@ -152,20 +150,16 @@ def _score(
                 t = targets[start : start + chunk, None].to(logp.device)
                 nll = -logp.gather(1, t).sum().item()
                 sc.nll += nll
-                sc.window_nll += nll
+                window_nll[name] += nll
                 sc.count += t.shape[0]
                 if ref is not None and name != _REF:
                     ref = ref.to(logp.device)
                     sc.kl += (ref.exp() * (ref - logp)).sum().item()
                     sc.agree += (ref.argmax(-1) == logp.argmax(-1)).sum().item()
-        reference = scores.get(_REF)
-        for name, sc in scores.items():  # the reference's last, as its window sum is read above
-            if name != _REF:
-                sc.end_window(len(targets), reference)
-                sc.window_nll = 0.0
-        if reference is not None:
-            reference.end_window(len(targets), None)
-            reference.window_nll = 0.0
+        reference = window_nll.get(_REF)
+        for name, sc in scores.items():
+            paired = None if reference is None or name == _REF else reference / len(targets)
+            sc.add_window(window_nll[name] / len(targets), paired)
 
 
 @contextlib.contextmanager
