@@ -366,11 +366,11 @@ def _check_processes(recipe: Recipe, samples: int, windows: int | None, resume_r
 
 
 def _increase(e: dict) -> str:
-    """Perplexity after minus before, with its standard error over windows when there is one."""
+    """Perplexity after over before, as a relative increase, with its standard error over windows."""
     if e.get("ppl") is None or e.get("ref_ppl") is None:
         return "—"
     se = e.get("increase_se")
-    return f"{e['ppl'] - e['ref_ppl']:+.3f}" + ("" if se is None else f" ± {se:.3f}")
+    return f"{e['ppl'] / e['ref_ppl'] - 1:+.1%}" + ("" if se is None else f" ± {se:.1%}")
 
 
 def format_table(reports: list[Report]) -> str:

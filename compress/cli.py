@@ -152,7 +152,7 @@ def _eval(args) -> None:
             f"top-1 agreement: {result.top1:.4f}"
         )
         if result.increase_se is not None:
-            print(f"increase: {result.ppl - result.ref_ppl:+.4f} ± {result.increase_se:.4f} (paired over windows)")
+            print(f"increase: {result.ppl / result.ref_ppl - 1:+.2%} ± {result.increase_se:.2%} (paired over windows)")
     if result.ppl_se is not None:
         print("±: one standard error over the windows (docs/evaluation.md)")
     if args.write_report:

@@ -44,8 +44,10 @@ class EvalResult:
     ref_ppl: float | None = None
     kl: float | None = None  # mean KL(reference ‖ model), nats per token
     top1: float | None = None  # share of positions where both models' argmax agree
-    # Standard errors over windows (None with one window): of the perplexity, and of its increase
-    # over the reference's, paired window by window (the windows' own difficulty cancels there).
+    # Standard errors over windows (None with one window): of the perplexity, and of its relative
+    # increase over the reference's (ppl / ref_ppl - 1), paired window by window: a window's own
+    # difficulty cancels there, and the relative increase, unlike the absolute one, does not move
+    # with how hard the windows chosen are.
     ppl_se: float | None = None
     increase_se: float | None = None
 
@@ -235,7 +237,7 @@ def evaluate_many(
         if reference is not None:
             se = _standard_error(sc.d, sc.dd, n)
             result.ref_ppl, result.kl, result.top1 = ref_ppl, sc.kl / sc.count, sc.agree / sc.count
-            result.increase_se = None if se is None else ppl * se
+            result.increase_se = None if se is None else ppl / ref_ppl * se
         out[name] = result
     return out
 

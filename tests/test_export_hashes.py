@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 
+@pytest.mark.slow
 def test_every_shipped_recipe_exports_the_recorded_bytes_on_tiny_models(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "scripts"))
     import json
