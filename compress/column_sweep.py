@@ -22,9 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from . import distributed, moe
+from . import distributed, kquant, moe
 from .hessian import Hessian, dead_columns, inverse_cholesky
-from .quant import QuantizedWeight, QuantScheme, compute_qparams, global_scale_of, to_grid
+from .quant import QuantizedWeight, QuantScheme, compute_qparams, global_scale_for, grid_codes, grid_values
 from .sparsity import Pattern, nm_mask, select_mask
 
 
@@ -55,13 +55,17 @@ def obs_sweep(
     interact, except through an unstructured mask, chosen across rows: that sweep runs whole).
     """
 
-    # NVFP4's global scale is the whole weight's (all of a fused group's rows), whichever rows a rank sweeps
-    global_scale = global_scale_of(weight) if scheme is not None and scheme.format == "nvfp4" else None
+    if scheme is not None and scheme.subtracts_minimum and (prune is not None or (mask is not None and mask.any())):
+        raise ValueError(f"{name}: {scheme.describe()} has no code for an exact zero, so it cannot hold pruned weights")
+    # NVFP4's global scale is the whole weight's (all of a fused group's rows), whichever rows a rank
+    # sweeps; a k-quant's super-block scales are per row, chosen from the weights before the sweep
+    global_scale = None if scheme is None else global_scale_for(weight, scheme)
 
     def rows(r: range):
         part = slice(r.start, r.stop)
         m = None if mask is None else mask[part]
-        out = _sweep(weight[part], H, name, scheme, prune, m, global_scale=global_scale, **options)
+        supers = global_scale[part] if scheme is not None and scheme.is_kquant else global_scale
+        out = _sweep(weight[part], H, name, scheme, prune, m, global_scale=supers, **options)
         q = out.quantized
         return (out.weight, out.mask) + (() if q is None else (q.q, q.scale, q.zero_point))
 
@@ -107,6 +111,8 @@ def _sweep(
         else:  # each group's scale from its weights as updated so far (the paper's default)
             scale = torch.empty(rows, cols // gs, device=W.device)
             zero = torch.empty_like(scale)
+        # a k-quant's super-block scales, one per group, for the group whose scale is chosen
+        supers = kquant.per_group(global_scale, cols // gs) if scheme.is_kquant else None
         Q = torch.empty(rows, cols, dtype=scheme.q_dtype, device=W.device)
 
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else torch.arange(cols, device=W.device)
@@ -134,12 +140,13 @@ def _sweep(
                 g = group[c]
                 if not static and c % gs == 0:
                     block = W1[:, i : i + gs].masked_fill(M1[:, i : i + gs], 0)
-                    s, z = compute_qparams(block, scheme, dtype, global_scale)  # one group: gs columns
+                    given = global_scale if supers is None else supers[:, g : g + 1]
+                    s, z = compute_qparams(block, scheme, dtype, given)  # one group: gs columns
                     scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
-                qi = to_grid(q / scale[:, g], zero[:, g], scheme)
+                qi = grid_codes(q, scale[:, g], zero[:, g], scheme)
                 qi = torch.where(M1[:, i], zero[:, g], qi)  # pruned: the zero-point, which dequantizes to 0
                 Q[:, c] = qi.to(scheme.q_dtype)
-                q = (qi - zero[:, g]) * scale[:, g]
+                q = grid_values(qi, scale[:, g], zero[:, g], scheme)
             err = (w - q) / U1[i, i]
             if P is not None:
                 Before1[:, i] = w
@@ -156,7 +163,7 @@ def _sweep(
     quantized = None
     if scheme is not None:
         scale = scale.to(scheme.scale_dtype(dtype))
-        quantized = QuantizedWeight(scheme, Q[:, inverse], scale, zero.to(torch.int8), global_scale)
+        quantized = QuantizedWeight(scheme, Q[:, inverse], scale, zero.to(scheme.zero_dtype), global_scale)
     return SweepResult(W[:, inverse], mask[:, inverse], quantized)
 
 

@@ -207,6 +207,10 @@ class Export:
         self.format: str | None = None
         self.fp8_kv_cache = False  # attentions with FP8 KV-cache scales: the config names the kv_cache_scheme
         self.totals = Totals()
+        # linears that only GGUF can hold (k-quants): dense in the folder, their integers kept for the
+        # GGUF file in a scratch folder (``gguf_file.CODES``) until it is written
+        self.gguf_codes: ShardWriter | None = None
+        self.gguf_types: dict[str, str] = {}
 
     def _tensors_of(
         self, module: torch.nn.Module, name: str, linear: torch.nn.Module, qw: QuantizedWeight
@@ -253,7 +257,7 @@ class Export:
             for n, m in module.named_modules()
             if skip is None or not (n == skip or n.startswith(skip + "."))
         }
-        quantized, rounded, states, kv_scales = {}, {}, {}, {}
+        quantized, rounded, states, kv_scales, gguf_only = {}, {}, {}, {}, {}
         for m, name in name_of.items():
             states[name] = states_of(m)
             for state in states[name]:
@@ -271,7 +275,10 @@ class Export:
                         f"{name} has quantized activations but dense weights; give its weights the same "
                         "quantization (the same ignore list)"
                     )
-                if qw is not None:
+                if qw is not None and gguf_file.only_in_gguf(qw.scheme):
+                    gguf_only[name] = qw
+                    self.linears[name] = None  # dense here: compressed-tensors has no layout for it
+                elif qw is not None:
                     quantized[name] = (m, qw)
             if prune_mask_of(m) is not None:
                 self.totals.zeros += (m.weight == 0).sum().item()
@@ -299,6 +306,8 @@ class Export:
                 for k, t in rounded[owner].tensors(owner).items():
                     self.shards.add(k, t)
                 continue
+            if owner in gguf_only and leaf == "weight":
+                self._keep_codes(moe.renamed(owner, renames), gguf_only[owner])
             if tensor.data_ptr() in seen:  # tied lm_head / embeddings
                 continue
             seen.add(tensor.data_ptr())
@@ -309,6 +318,14 @@ class Export:
             self.fp8_kv_cache = True
             for k, t in kv.tensors(name).items():
                 self.shards.add(moe.renamed(k, renames), t)
+
+    def _keep_codes(self, name: str, qw) -> None:
+        if self.gguf_codes is None:
+            (self.tmp / gguf_file.CODES).mkdir()
+            self.gguf_codes = ShardWriter(self.tmp / gguf_file.CODES)
+        for key, t in gguf_file.codes_of(name, qw).items():
+            self.gguf_codes.add(key, t)
+        self.gguf_types[name] = gguf_file.type_of(qw.scheme)
 
     def _bitsandbytes_config(self, compressed_tensors: dict | None, dtype: torch.dtype) -> dict:
         """transformers' config for 4-bit bitsandbytes weights; one checkpoint holds one layout."""
@@ -345,8 +362,14 @@ class Export:
                 model.generation_config.save_pretrained(self.tmp)
             tokenizer.save_pretrained(self.tmp)
             (self.tmp / "recipe.yaml").write_text(recipe_text)
+            if self.gguf_codes is not None:
+                self.gguf_codes.close()
+                if gguf is None:
+                    raise ExportError(f"{next(iter(self.gguf_types))} holds GGUF-only integers: export format: gguf")
             if gguf is not None:
-                gguf_file.write(self.tmp, gguf.type, self.tmp / gguf_file.file_name(gguf.type), gguf.embedding)
+                out = self.tmp / gguf_file.file_name(gguf.type)
+                gguf_file.write(self.tmp, gguf.type, out, gguf.embedding, self.gguf_types)
+            shutil.rmtree(self.tmp / gguf_file.CODES, ignore_errors=True)
             files = {str(p.relative_to(self.tmp)): _sha256(p) for p in sorted(self.tmp.rglob("*")) if p.is_file()}
             manifest = {**manifest, "versions": _versions(), "files": files}
             (self.tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -371,8 +394,9 @@ class Export:
         return self.out
 
     def abort(self) -> None:
-        if not self.shards.data.closed:
-            self.shards.data.close()
+        for writer in (self.shards, self.gguf_codes):
+            if writer is not None and not writer.data.closed:
+                writer.data.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -419,5 +443,8 @@ def add_evaluation(folder: Path, evaluation: dict) -> Path:
 
 
 def size_on_disk(folder: Path) -> int:
-    """Bytes of weights: the checkpoint's safetensors and an adapter's, if any."""
+    """Bytes of weights: the checkpoint's safetensors and an adapter's, if any; for an export with a
+    GGUF file, that file's (what llama.cpp loads; a k-quant export keeps its linears dense beside it)."""
+    if ggufs := sorted(Path(folder).glob("*.gguf")):
+        return ggufs[0].stat().st_size
     return sum(p.stat().st_size for p in Path(folder).rglob("*.safetensors"))

@@ -12,6 +12,10 @@ rows, so every reader of a scale per row and group works unchanged), ``nvfp4``
 tensor, ``scale = fp8 / global``) and ``mxfp4`` (E2M1 values, a power-of-two scale per 32
 weights). Each scale is rounded to what the format stores *before* any weight is rounded with
 it, so GPTQ's sweep and every search see the weights the export holds.
+
+llama.cpp's k-quants (``q2_k`` ... ``q6_k``) are integer grids whose group scales sit on a grid of
+their own, one float16 scale per 256 weights (``compress/kquant.py``); those with a minimum store
+it as a float (``w = q * scale - zero_point``), which no integer zero-point can hold.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from typing import ClassVar
 
 import torch
 
+from . import kquant
 from .state import State
 
-SUPPORTED_BITS = (2, 3, 4, 8)
+SUPPORTED_BITS = (2, 3, 4, 5, 8)  # 5: GGUF's Q5_0 and Q5_1, which k-quants fall back to
 # format -> (bits, group size it fixes (None: any), largest grid value)
 FORMATS = {
     "int": (None, None, None),
@@ -31,7 +36,8 @@ FORMATS = {
     "fp8_block": (8, 128, 448.0),
     "nvfp4": (4, 16, 6.0),
     "mxfp4": (4, 32, 6.0),
-}
+} | {name: (t.bits, t.group, None) for name, t in kquant.TYPES.items()}
+FLOAT_FORMATS = ("fp8", "fp8_block", "nvfp4", "mxfp4")
 BLOCK_ROWS = 128  # fp8_block's tiles are BLOCK_ROWS output rows by its group size of inputs
 FP4_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # E2M1's magnitudes
 FP8_MAX = 448.0  # E4M3's largest value
@@ -61,7 +67,7 @@ class QuantScheme:
     format: str = "int"  # or a float grid: "fp8", "nvfp4", "mxfp4" (module docstring)
 
     def __post_init__(self):
-        if self.bits not in SUPPORTED_BITS:
+        if self.bits not in SUPPORTED_BITS and not (self.is_kquant and self.bits == FORMATS[self.format][0]):
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}")
         if self.group_size != -1 and self.group_size <= 0:
             raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
@@ -72,17 +78,35 @@ class QuantScheme:
         bits, group, _ = FORMATS[self.format]
         if self.is_float and (self.bits, self.group_size, self.symmetric) != (bits, group, True):
             raise ValueError(f"{self.format} is {bits}-bit symmetric with group size {group}")
+        if self.is_kquant:
+            symmetric = kquant.TYPES[self.format].symmetric
+            if (self.bits, self.group_size, self.symmetric) != (bits, group, symmetric):
+                kind = "symmetric" if symmetric else "asymmetric"
+                raise ValueError(f"{self.format} is {bits}-bit {kind} with group size {group}")
 
     @property
     def is_float(self) -> bool:
-        return self.format != "int"
+        return self.format in FLOAT_FORMATS
+
+    @property
+    def is_kquant(self) -> bool:
+        return self.format in kquant.TYPES
+
+    @property
+    def subtracts_minimum(self) -> bool:
+        """Whether ``zero_point`` is a float minimum, ``w = q * scale - zero_point`` (k-quants with one)."""
+        return self.is_kquant and not self.symmetric
 
     @property
     def qmin(self) -> float:
+        if self.subtracts_minimum:
+            return 0
         return -FORMATS[self.format][2] if self.is_float else -(2 ** (self.bits - 1))
 
     @property
     def qmax(self) -> float:
+        if self.subtracts_minimum:
+            return 2**self.bits - 1
         return FORMATS[self.format][2] if self.is_float else 2 ** (self.bits - 1) - 1
 
     @property
@@ -92,8 +116,13 @@ class QuantScheme:
 
     def scale_dtype(self, storage: torch.dtype) -> torch.dtype:
         """The dtype of ``QuantizedWeight.scale``: the storage dtype, or float32 where the stored scale
-        (FP8 over a global scale, a power of two) is exact in float32 only."""
-        return torch.float32 if self.format in ("nvfp4", "mxfp4") else storage
+        (FP8 over a global scale, a power of two, a k-quant's product of two codes) is exact in float32 only."""
+        return torch.float32 if self.format in ("nvfp4", "mxfp4") or self.is_kquant else storage
+
+    @property
+    def zero_dtype(self) -> torch.dtype:
+        """The dtype of ``QuantizedWeight.zero_point``: int8, or float32 for a k-quant's minimum."""
+        return torch.float32 if self.subtracts_minimum else torch.int8
 
     @property
     def stored_scale_bits(self) -> int | None:
@@ -105,6 +134,8 @@ class QuantScheme:
 
     def bits_per_weight(self, in_features: int, scale_bits: int = 16) -> float:
         """Storage cost per weight including scales and packed zero-points."""
+        if self.is_kquant:
+            return kquant.TYPES[self.format].bits_per_weight
         group = in_features if self.group_size == -1 else self.group_size
         group *= BLOCK_ROWS if self.format == "fp8_block" else 1
         extra = scale_bits + (0 if self.symmetric else self.bits)
@@ -122,6 +153,8 @@ class QuantScheme:
         mse = " mse" if self.observer == "mse" else ""
         if self.is_float:
             return f"{self.format.upper()} {g}{mse}"
+        if self.is_kquant:
+            return f"GGUF {self.format.upper()}{mse}"
         return f"W{self.bits} {g} {'sym' if self.symmetric else 'asym'}{mse}"
 
 
@@ -132,12 +165,14 @@ class QuantizedWeight(State, attr="quantized"):
     scheme: QuantScheme
     q: torch.Tensor  # same shape as the weight: int8 integers, or float grid values (``QuantScheme.q_dtype``)
     scale: torch.Tensor  # (out, groups), in ``scheme.scale_dtype(storage dtype)`` (what the export writes)
-    zero_point: torch.Tensor  # (out, groups), int8; zeros when symmetric
-    global_scale: torch.Tensor | None = None  # nvfp4: the tensor's float32 global scale (``scale`` is fp8 / it)
+    zero_point: torch.Tensor  # (out, groups), int8, zeros when symmetric; a k-quant's float32 minimum
+    # nvfp4: the tensor's float32 global scale (``scale`` is fp8 / it); a k-quant: (out, in / 256, 2),
+    # each super-block's float16 (d, dmin) that its group scales and minimums are multiples of
+    global_scale: torch.Tensor | None = None
 
     def dequantized(self) -> torch.Tensor:
         """The weight these integers stand for, in the scale's dtype (the storage dtype, or float32)."""
-        return dequantize(self.q, self.scale, self.zero_point, self.scale.dtype)
+        return dequantize(self.q, self.scale, self.zero_point, self.scale.dtype, self.scheme)
 
     def saved(self):
         tensors = {"q": self.q, "scale": self.scale, "zero_point": self.zero_point}
@@ -173,6 +208,25 @@ def resolve_group_size(group_size: int | str, in_features: list[int]) -> int:
     return int(group_size)
 
 
+def global_scale_for(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor | None:
+    """The scale over ``w``'s group scales that its format stores, chosen before any group's:
+    NVFP4's global scale, a k-quant's super-block scales; None for the other formats."""
+    if scheme.format == "nvfp4":
+        return global_scale_of(w)
+    if scheme.is_kquant:
+        groups = w.float().reshape(w.shape[0], scheme.groups(w.shape[1]), -1)
+        scale, minimum = _kquant_range(groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0), scheme)
+        return kquant.super_scales(scale, minimum, kquant.TYPES[scheme.format])
+    return None
+
+
+def _kquant_range(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme):
+    """A k-quant group's scale and minimum (``w = q * scale - minimum``) before they are rounded."""
+    if scheme.symmetric:
+        return torch.maximum(wmax, -wmin) / ((scheme.qmax - scheme.qmin) / 2), torch.zeros_like(wmax)
+    return (wmax - wmin) / scheme.qmax, -wmin
+
+
 def global_scale_of(w: torch.Tensor) -> torch.Tensor:
     """NVFP4's float32 global scale for ``w``: its largest group scale (max |w| / 6) maps to FP8's
     largest value, so the FP8 group scales use their whole range (compressed-tensors' convention,
@@ -186,11 +240,11 @@ def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, gl
 
     The scale is rounded to ``dtype`` (the storage dtype), or to what a float format stores, here,
     so quantizing with it gives the values that the exported checkpoint will dequantize. NVFP4's
-    scales sit under ``global_scale`` (default: ``global_scale_of(w)``; a sweep over a slice of
-    the weight passes the whole weight's).
+    and the k-quants' scales sit under ``global_scale`` (default: ``global_scale_for(w)``; a sweep
+    over a slice of the weight passes the whole weight's, for a k-quant those of the slice's groups).
     """
-    if scheme.format == "nvfp4" and global_scale is None:
-        global_scale = global_scale_of(w)
+    if global_scale is None:
+        global_scale = global_scale_for(w, scheme)
     out_features, in_features = w.shape
     groups = scheme.groups(in_features)
     wg = w.float().reshape(out_features, groups, -1)
@@ -202,7 +256,7 @@ def compute_qparams(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, gl
     best_error = best_scale = best_zero = None
     for shrink in MSE_SHRINKS:
         scale, zero = _range_qparams(wmin * shrink, wmax * shrink, scheme, dtype, global_scale)
-        rounded = dequantize(quantize(w, scale, zero, scheme), scale, zero, torch.float32)
+        rounded = dequantize(quantize(w, scale, zero, scheme), scale, zero, torch.float32, scheme)
         error = per_block((rounded - w).reshape(wg.shape).abs().pow(MSE_NORM).sum(-1), scheme, torch.sum)
         if best_error is None:
             best_error, best_scale, best_zero = error, scale, zero
@@ -224,6 +278,8 @@ def per_block(t: torch.Tensor, scheme: QuantScheme, reduce) -> torch.Tensor:
 
 def _range_qparams(wmin: torch.Tensor, wmax: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, global_scale=None):
     """Scale and zero-point that map [wmin, wmax] (wmin <= 0 <= wmax) onto the grid."""
+    if scheme.is_kquant:
+        return kquant.snap(*_kquant_range(wmin, wmax, scheme), kquant.TYPES[scheme.format], global_scale)
     if scheme.is_float:
         return _float_scale(torch.maximum(wmax, -wmin), scheme, dtype, global_scale), torch.zeros_like(wmax)
     if scheme.symmetric:
@@ -276,34 +332,50 @@ def round_significand(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.ldexp(torch.round(torch.ldexp(mantissa, torch.tensor(bits))), exponent - bits).clamp(max=65504.0)
 
 
+def grid_codes(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """``w`` rounded onto the grid of ``scale`` and ``zero`` (broadcast against it), as float32 codes."""
+    if scheme.subtracts_minimum:
+        return torch.round((w.float() + zero.float()) / scale.float()).clamp(scheme.qmin, scheme.qmax)
+    return to_grid(w.float() / scale.float(), zero.float(), scheme)
+
+
+def grid_values(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme | None = None):
+    """The weights ``codes`` stand for, in float32, computed as every reader of the format does."""
+    if scheme is not None and scheme.subtracts_minimum:
+        return codes.float() * scale.float() - zero.float()
+    return (codes.float() - zero.float()) * scale.float()
+
+
 def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """Grid values (``scheme.q_dtype``: int8 integers, or float values) for ``w`` given per-group
     ``scale``/``zero`` of shape (out, groups)."""
     out_features, in_features = w.shape
     wg = w.float().reshape(out_features, scale.shape[1], -1)
-    q = to_grid(wg / scale.float().unsqueeze(-1), zero.float().unsqueeze(-1), scheme)
+    q = grid_codes(wg, scale.unsqueeze(-1), zero.unsqueeze(-1), scheme)
     return q.reshape(out_features, in_features).to(scheme.q_dtype)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(q, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype, scheme: QuantScheme | None = None):
+    """The weight of codes ``q`` under per-group ``scale``/``zero``; ``scheme`` only matters for the
+    k-quants with a minimum (the others share ``(q - zero) * scale``)."""
     out_features, in_features = q.shape
-    qg = q.float().reshape(out_features, scale.shape[1], -1) - zero.float().unsqueeze(-1)
-    return (qg * scale.float().unsqueeze(-1)).reshape(out_features, in_features).to(dtype)
+    qg = q.reshape(out_features, scale.shape[1], -1)
+    return grid_values(qg, scale.unsqueeze(-1), zero.unsqueeze(-1), scheme).reshape(out_features, in_features).to(dtype)
 
 
 def quantize_weight(w: torch.Tensor, scheme: QuantScheme, dtype: torch.dtype, global_scale=None) -> QuantizedWeight:
     """Round-to-nearest with min/max qparams: the baseline every method is compared to."""
-    if scheme.format == "nvfp4" and global_scale is None:
-        global_scale = global_scale_of(w)
+    if global_scale is None:
+        global_scale = global_scale_for(w, scheme)
     scale, zero = compute_qparams(w, scheme, dtype, global_scale)
     q = quantize(w, scale, zero, scheme)
-    return QuantizedWeight(scheme, q, scale.to(scheme.scale_dtype(dtype)), zero.to(torch.int8), global_scale)
+    return QuantizedWeight(scheme, q, scale.to(scheme.scale_dtype(dtype)), zero.to(scheme.zero_dtype), global_scale)
 
 
 def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """Round-to-nearest and back, in float32: what a search scores a candidate by."""
     qw = quantize_weight(w, scheme, torch.float32)
-    return dequantize(qw.q, qw.scale, qw.zero_point, torch.float32)
+    return qw.dequantized().float()
 
 
 def attach(linear: torch.nn.Linear, qw: QuantizedWeight) -> None:

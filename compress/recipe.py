@@ -18,6 +18,7 @@ from typing import Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from . import kquant
 from .formats import gguf_file
 from .models import DEFAULT_MODEL
 from .passes import REGISTRY, LayerPass, ModelPass, RecipeError
@@ -51,7 +52,7 @@ class Export(_Strict):
     """compressed-tensors always; ``format: gguf`` adds a llama.cpp file of the same weights."""
 
     format: Literal["compressed-tensors", "gguf"] = "compressed-tensors"
-    type: str | None = None  # gguf: q4_0, q4_1 or q8_0
+    type: str | None = None  # gguf: q4_0, q4_1, q8_0, or a k-quant q2_k ... q6_k
     embedding: Literal["dense", "q8_0"] = "dense"  # gguf: token_embd (and a dense output) as Q8_0
 
     @model_validator(mode="after")
@@ -168,6 +169,9 @@ def parse(text: str, name: str = "recipe") -> Recipe:
             raise RecipeError(f"{p.where}: {problem}")
     if fields.export.format == "gguf":
         _check_gguf(passes, fields.export.type)
+    elif kquants := [p for p in passes if p.rounding is not None and p.rounding.format in kquant.TYPES]:
+        k = kquants[0].rounding.format
+        raise RecipeError(f"{kquants[0].where}.format: {k} is a GGUF type; add export: {{format: gguf, type: {k}}}")
     return Recipe(fields, passes, text, name)
 
 

@@ -31,11 +31,13 @@ def tiny(model_type: str = "llama", hidden: int = 64, layers: int = 2):
     return model
 
 
-def tiny_folder(folder, tokenizer, model_type: str = "llama", layers: int = 2, weight_scale: float = 1.0):
+def tiny_folder(
+    folder, tokenizer, model_type: str = "llama", layers: int = 2, weight_scale: float = 1.0, hidden: int = 64
+):
     """A tiny random model with ``tokenizer``'s vocabulary saved as a model folder (bf16), for
     runs of the command line. ``weight_scale`` multiplies its matrices: the random init's outputs
     are near uniform, so that a KL against them is float noise."""
-    model = tiny(model_type, layers=layers)
+    model = tiny(model_type, hidden, layers)
     model.resize_token_embeddings(len(tokenizer))
     with torch.no_grad():
         for p in model.parameters():

@@ -6,9 +6,11 @@ import pytest
 import torch
 from conftest import tiny_folder
 
-from compress import models
+from compress import kquant, models
 from compress.apply import apply
 from compress.cli import main
+from compress.column_sweep import obs_sweep
+from compress.formats import gguf_kquants
 from compress.formats.gguf_file import GROUP, pack_blocks
 from compress.quant import QuantScheme, dequantize, quantize_weight
 from compress.recipe import parse
@@ -18,15 +20,23 @@ PASSES = {
     "q4_0": "gptq: {bits: 4, group_size: 32, symmetric: true}",
     "q4_1": "awq: {bits: 4, group_size: 32, symmetric: false, grid: 4}",
     "q8_0": "rtn: {bits: 8, group_size: 32, symmetric: true}",
+    # each k-quant through another pass: every way of rounding reaches the file exactly
+    "q2_k": "awq: {format: q2_k, grid: 4}",
+    "q3_k": "rtn: {format: q3_k}",
+    "q4_k": "gptq: {format: q4_k, actorder: true}",
+    "q5_k": "gptq: {format: q5_k, observer: mse}",
+    "q6_k": "gptq: {format: q6_k}",
 }
 
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, smollm2):
-    return {
+    found = {
         kind: tiny_folder(tmp_path_factory.mktemp(kind), smollm2.tokenizer, kind)
         for kind in ("llama", "mistral", "qwen2", "qwen3")
-    }
+    }  # widths 64 and 128: no whole super-block of 256, k-quants fall back
+    found["wide"] = tiny_folder(tmp_path_factory.mktemp("wide"), smollm2.tokenizer, hidden=256)  # 256 and 512
+    return found
 
 
 def _export(folder, tmp_path, gguf_type, embedding=""):
@@ -59,10 +69,22 @@ def _gguf_weights(path, config):
     return names, by_gguf
 
 
-@pytest.mark.parametrize("kind,gguf_type", [("llama", t) for t in PASSES] + [("mistral", "q4_0")])
+@pytest.mark.parametrize(
+    "kind,gguf_type",
+    [("llama", t) for t in ("q4_0", "q4_1", "q8_0")] + [("mistral", "q4_0")] + [("wide", t) for t in kquant.TYPES],
+)
 def test_the_gguf_holds_the_weights_we_evaluated_bit_for_bit(kind, gguf_type, folders, tmp_path):
-    out, path = _export(folders[kind], tmp_path, gguf_type)
-    ours = models.load(str(out), torch.float32).model  # the compressed-tensors export, as evaluated
+    _assert_holds_the_export(*_export(folders[kind], tmp_path, gguf_type), gguf_type)
+
+
+@pytest.mark.parametrize("gguf_type", list(kquant.TYPES))
+def test_a_k_quant_falls_back_where_rows_are_not_whole_super_blocks(gguf_type, folders, tmp_path):
+    # every width of this model is 64 or 128: llama.cpp's fallback type throughout
+    _assert_holds_the_export(*_export(folders["llama"], tmp_path, gguf_type), kquant.FALLBACK[gguf_type])
+
+
+def _assert_holds_the_export(out, path, gguf_type):
+    ours = models.load(str(out), torch.float32).model  # the export (dense where only GGUF holds it), as evaluated
     names, tensors = _gguf_weights(path, ours.config)
     state = ours.state_dict()
     quantized = 0
@@ -75,11 +97,13 @@ def test_the_gguf_holds_the_weights_we_evaluated_bit_for_bit(kind, gguf_type, fo
     assert quantized == 7 * ours.config.num_hidden_layers  # q k v o gate up down in every block
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # Mistral is written as Llama
-def test_transformers_reads_the_gguf_to_our_logits_and_tokens(kind, folders, tmp_path):
+@pytest.mark.parametrize(
+    "kind,gguf_type", [("llama", "q8_0"), ("qwen2", "q8_0"), ("qwen3", "q8_0"), ("wide", "q4_k")]
+)  # Mistral is written as Llama
+def test_transformers_reads_the_gguf_to_our_logits_and_tokens(kind, gguf_type, folders, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out, path = _export(folders[kind], tmp_path, "q8_0")
+    out, path = _export(folders[kind], tmp_path, gguf_type)
     ours = models.load(str(out), torch.float32)
     # transformers 5 reads no head_dim for qwen3 GGUFs (it takes Qwen3's default, 128; llama.cpp
     # reads the key_length we write): the tiny model's is given here
@@ -87,7 +111,7 @@ def test_transformers_reads_the_gguf_to_our_logits_and_tokens(kind, folders, tmp
     theirs = AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name, dtype=torch.float32, **extra)
     text = "GGUF files, for llama.cpp: 12 blocks of 32 weights!"
     ids = ours.tokenizer(text, return_tensors="pt").input_ids
-    if kind == "llama":  # the same tokenizer in every family here
+    if kind == "llama":  # the same tokenizer in every model here
         assert AutoTokenizer.from_pretrained(out, gguf_file=path.name)(text).input_ids == ids[0].tolist()
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours.model(ids).logits, rtol=1e-5, atol=1e-5)
@@ -123,11 +147,14 @@ def _cli(*args, cwd, capsys, monkeypatch):
     [
         (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: true}", "q4_1", ""), "q4_1 needs 4-bit asymmetric"),
         (RECIPE % ("rtn: {bits: 4, group_size: auto, symmetric: true}", "q4_0", ""), "group_size: 32"),
-        (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: true}", "q5_k", ""), "choose one of q4_0, q4_1, q8_0"),
+        (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: true}", "iq4_nl", ""), "choose one of q4_0, q4_1, q8_0"),
+        (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: false}", "q4_k", ""), "set format: q4_k"),
+        (RECIPE % ("gptq: {format: q4_k, symmetric: true}", "q4_k", ""), "drop symmetric"),
+        ("passes:\n  - rtn: {format: q6_k}\n", "add export: {format: gguf, type: q6_k}"),
         (RECIPE % ("lowrank: {method: svd, ratio: 0.8}", "q4_0", ""), "quantized and pruned linears only"),
         (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: true}", "q4_0", "") + "model: GEMMA", "families"),
     ],
-    ids=["symmetry", "group size", "type", "low-rank", "family"],
+    ids=["symmetry", "group size", "type", "k-quant grid", "k-quant symmetry", "k-quant export", "low-rank", "family"],
 )
 def test_what_gguf_cannot_hold_fails_before_compute_in_one_line(recipe, says, tmp_path, smollm2, capsys, monkeypatch):
     if "GEMMA" in recipe:
@@ -172,3 +199,27 @@ def test_llama_cpp_reads_the_file_to_our_tokens_and_logits(folders, tmp_path):
     # llama.cpp rounds activations to 8 bits before its 4-bit dot products: close, not equal
     assert np.abs(logits - theirs).max() < 0.05 * np.abs(logits).max()
     assert (logits.argmax(-1) == theirs.argmax(-1)).mean() >= 0.9
+
+
+@pytest.mark.parametrize("gguf_type", list(kquant.TYPES))
+@pytest.mark.parametrize("how", ["rtn", "gptq"])
+def test_k_quant_blocks_dequantize_to_our_weights(gguf_type, how):
+    """Each type's bytes, as gguf-py reads them, are our weights: rows of very different ranges, a
+    super-block of zeros, and GPTQ's sweep choosing each group's scale on the super-block's grid."""
+    t = kquant.TYPES[gguf_type]
+    scheme = QuantScheme(t.bits, t.group, t.symmetric, format=gguf_type)
+    torch.manual_seed(0)
+    w = torch.randn(8, 2 * kquant.SUPER) * torch.logspace(-4, 1, 8).unsqueeze(1)
+    w[0, : kquant.SUPER] = 0
+    if how == "rtn":
+        qw = quantize_weight(w, scheme, torch.float32)
+    else:
+        x = torch.randn(64, w.shape[1])
+        qw = obs_sweep(w, 2 * x.T @ x, "w", scheme=scheme).quantized
+    blocks = gguf_kquants.pack(qw.q, qw.scale, qw.zero_point, qw.global_scale, gguf_type)
+    assert blocks.shape == (8, 2 * t.block_bytes)
+    values = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, gguf_type.upper()))
+    assert torch.equal(torch.from_numpy(values.copy()), qw.dequantized())
+    assert (qw.dequantized()[0, : kquant.SUPER] == 0).all()
+    error = (qw.dequantized() - w).norm(dim=1) / w.norm(dim=1)
+    assert error[1:].max() < {2: 0.6, 3: 0.3, 4: 0.15, 5: 0.08, 6: 0.04}[t.bits]  # every range on its own grid

@@ -53,7 +53,7 @@ def exact_formats(linears: list, device: torch.device) -> list[str]:
     if all(torch.equal(w.to(torch.bfloat16).to(w.dtype), w) for w in weights):
         found.append("bf16")
     schemes = [quantized_of(lin) and quantized_of(lin).scheme for lin in linears]
-    if all(s is not None and s.bits == 8 and s.symmetric and s.group_size == -1 for s in schemes):
+    if all(s is not None and s.format == "int" and s.bits == 8 and s.symmetric and s.group_size == -1 for s in schemes):
         found.append("int8")
     if _int4_fits(linears, device):
         found.append("int4")
@@ -81,7 +81,7 @@ def argmax_fits(linears: list, device: torch.device) -> bool:
 def _native_int4_fits(linears: list, a8: bool = False) -> bool:
     qws = [quantized_of(lin) for lin in linears]
     return (
-        all(qw is not None and qw.scheme.bits == 4 for qw in qws)
+        all(qw is not None and qw.scheme.format == "int" and qw.scheme.bits == 4 for qw in qws)
         and len({qw.scale.shape[1] for qw in qws}) == 1
         and linears[0].in_features % 64 == 0
         and linears[0].in_features // qws[0].scale.shape[1] in (INT4_GROUPS[1:] if a8 else INT4_GROUPS)
@@ -93,7 +93,7 @@ def _int4_fits(linears: list, device: torch.device) -> bool:
     qws = [quantized_of(lin) for lin in linears]
     return (
         int4_kernel_available(device)
-        and all(qw is not None and qw.scheme.bits == 4 for qw in qws)
+        and all(qw is not None and qw.scheme.format == "int" and qw.scheme.bits == 4 for qw in qws)
         and len({qw.scale.shape[1] for qw in qws}) == 1
         and linears[0].in_features // qws[0].scale.shape[1] in INT4_GROUPS
         and sum(lin.out_features for lin in linears) % 16 == 0

@@ -6,7 +6,16 @@ integers, ``s`` the scale, ``z`` the zero-point, ``w = (q - z) * s``):
 
 - Q4_0 (4-bit symmetric): ``w = d * (u - 8)`` with ``u = q + 8`` and ``d = s``;
 - Q4_1 (4-bit asymmetric): ``w = d * u + m`` with ``u = q + 8``, ``d = s`` and ``m = -s * (8 + z)``;
-- Q8_0 (8-bit symmetric): ``w = d * q`` with ``d = s``.
+- Q8_0 (8-bit symmetric): ``w = d * q`` with ``d = s``;
+- Q5_0 and Q5_1 as Q4_0 and Q4_1 with 5-bit integers (``u = q + 16``): written only where a
+  k-quant cannot go (below).
+
+The k-quants (Q2_K ... Q6_K) come from weights rounded on their own grid (``compress/kquant.py``),
+packed by ``gguf_kquants``. Their super-blocks span 256 weights of a row, so a layer whose input
+width is not a multiple of 256 takes the type llama.cpp itself falls back to (``kquant.FALLBACK``).
+No compressed-tensors layout holds these types: an export of them keeps those linears dense
+(float32, the very values the GGUF dequantizes to) and hands their integers to this module through
+a scratch folder (``CODES``) that only lives while the export is written.
 
 ``d`` and ``m`` are float16 in the file; a recipe that exports GGUF rounds its scales to float16
 numbers (``QuantScheme.fp16_scales``) so they are stored exactly, and computes in float32 so
@@ -27,7 +36,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import kquant
+from . import gguf_kquants
+
 GROUP = 32
+CODES = ".gguf-codes"  # the scratch folder of an export's GGUF-only integers (``codes_of``)
 
 
 @dataclass(frozen=True)
@@ -39,11 +52,19 @@ class BlockType:
         return f"{self.bits}-bit {'symmetric' if self.symmetric else 'asymmetric'} weights in groups of {GROUP}"
 
 
-TYPES = {"q4_0": BlockType(4, True), "q4_1": BlockType(4, False), "q8_0": BlockType(8, True)}
+LEGACY = {
+    "q4_0": BlockType(4, True),
+    "q4_1": BlockType(4, False),
+    "q5_0": BlockType(5, True),
+    "q5_1": BlockType(5, False),
+    "q8_0": BlockType(8, True),
+}
+TYPES = ["q4_0", "q4_1", "q8_0", *kquant.TYPES]  # what a recipe's export.type names
 # transformers model_type -> llama.cpp architecture (Mistral is written as Llama, as llama.cpp does)
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 PERMUTED = ("llama",)  # llama.cpp's Llama rotates q/k rows pairwise interleaved, not by halves
-FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7}  # llama_ftype: MOSTLY_Q4_0, MOSTLY_Q4_1, MOSTLY_Q8_0
+# llama_ftype: MOSTLY_Q4_0, _Q4_1, _Q8_0, _Q2_K, _Q3_K_S, _Q4_K_S, _Q5_K_S, _Q6_K
+FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q2_k": 10, "q3_k": 11, "q4_k": 14, "q5_k": 16, "q6_k": 18}
 
 # llama.cpp names a GPT-2-style tokenizer's pre-tokenizer by hashing the ids of this text
 # (``get_vocab_base_pre`` in its converter); the families we write, by hash:
@@ -70,9 +91,24 @@ def type_problem(gguf_type: str) -> str | None:
     return None
 
 
+def type_of(scheme) -> str | None:
+    """The GGUF type that holds weights of ``scheme`` exactly, or None."""
+    if scheme.is_kquant:
+        return scheme.format
+    if scheme.format != "int" or scheme.group_size != GROUP:
+        return None
+    return next((t for t, b in LEGACY.items() if (b.bits, b.symmetric) == (scheme.bits, scheme.symmetric)), None)
+
+
+def only_in_gguf(scheme) -> bool:
+    """Weights that a GGUF file holds but compressed-tensors does not: k-quants, and the 5-bit
+    types they fall back to."""
+    return scheme.is_kquant or scheme.bits == 5
+
+
 def scheme_problem(gguf_type: str, bits: int, group_size, symmetric: bool) -> str | None:
     """Why weights quantized so cannot be written as ``gguf_type`` blocks, or None."""
-    need = TYPES[gguf_type]
+    need = LEGACY[gguf_type]
     if (bits, group_size, symmetric) != (need.bits, GROUP, need.symmetric):
         got = f"{bits}-bit {'symmetric' if symmetric else 'asymmetric'}, group_size {group_size}"
         options = f"bits: {need.bits}, group_size: {GROUP}, symmetric: {str(need.symmetric).lower()}"
@@ -90,9 +126,12 @@ def adapt(p, gguf_type: str) -> str | None:
     if not p.compresses or not p.leaves or p.leaves - STORES:
         return "export.format gguf holds quantized and pruned linears only; drop this pass or export compressed-tensors"
     if (spec := p.rounding) is not None:
-        if spec.format != "int":
+        if gguf_type in kquant.TYPES or spec.format in kquant.TYPES:
+            if spec.format != gguf_type:
+                return f"GGUF {gguf_type} needs the pass to round onto its grid: set format: {gguf_type}"
+        elif spec.format != "int":
             return f"GGUF {gguf_type} stores integers, not {spec.format}; drop format or export compressed-tensors"
-        if problem := scheme_problem(gguf_type, spec.bits, spec.group_size, spec.symmetric):
+        elif problem := scheme_problem(gguf_type, spec.bits, spec.group_size, spec.symmetric):
             return problem
     p.fp16_scales = True
     return None
@@ -116,22 +155,25 @@ def _fp16(t: torch.Tensor, what: str) -> np.ndarray:
 
 def pack_blocks(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, gguf_type: str, name: str) -> np.ndarray:
     """(rows, cols) signed integers with per-32 ``scale``/``zero`` -> (rows, bytes per row) uint8
-    in llama.cpp's block layout (``block_q4_0``, ``block_q4_1``, ``block_q8_0``)."""
+    in llama.cpp's block layout (``block_q4_0``, ``block_q4_1``, ``block_q5_0``, ``block_q5_1``,
+    ``block_q8_0``)."""
     rows, cols = q.shape
     blocks = q.reshape(rows, cols // GROUP, GROUP).to(torch.int16)
     d = _fp16(scale, f"{name}'s scales").reshape(rows, -1, 1).view(np.uint8)  # (rows, blocks, 2)
     if gguf_type == "q8_0":
-        payload = blocks.to(torch.int8).numpy().view(np.uint8)
-        parts = [d, payload]
-    else:
-        u = (blocks + 8).to(torch.uint8).numpy()  # 0..15
-        nibbles = u[..., :16] | (u[..., 16:] << 4)  # byte j holds weights j (low) and j + 16 (high)
-        parts = [d, nibbles]
-        if gguf_type == "q4_1":
-            m = -(scale.float() * (8 + zero.float()))
-            parts.insert(1, _fp16(m, f"{name}'s minimums (-scale * (8 + zero))").reshape(rows, -1, 1).view(np.uint8))
-        elif bool(zero.any()):
-            raise GGUFError(f"{name} has zero-points; q4_0 stores symmetric weights only")
+        return np.concatenate([d, blocks.to(torch.int8).numpy().view(np.uint8)], axis=-1).reshape(rows, -1)
+    half = 2 ** (LEGACY[gguf_type].bits - 1)
+    u = (blocks + half).to(torch.uint8).numpy()  # 0..15, or 0..31
+    nibbles = (u[..., :16] & 0xF) | ((u[..., 16:] & 0xF) << 4)  # byte j: weights j (low) and j + 16 (high)
+    parts = [d, nibbles]
+    if half == 16:  # bit j of a little-endian uint32: weight j's fifth bit
+        high = ((u >> 4).astype(np.uint32) << np.arange(GROUP, dtype=np.uint32)).sum(-1, dtype=np.uint32)
+        parts.insert(1, high.reshape(rows, -1, 1).astype("<u4").view(np.uint8))
+    if not LEGACY[gguf_type].symmetric:
+        m = -(scale.float() * (half + zero.float()))
+        parts.insert(1, _fp16(m, f"{name}'s minimums (-scale * ({half} + zero))").reshape(rows, -1, 1).view(np.uint8))
+    elif bool(zero.any()):
+        raise GGUFError(f"{name} has zero-points; {gguf_type} stores symmetric weights only")
     return np.concatenate(parts, axis=-1).reshape(rows, -1)
 
 
@@ -143,10 +185,20 @@ def _permute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
 # --- reading an export ----------------------------------------------------------------------
 
 
-class _Export:
-    """The tensors of an export folder, read one at a time, and its quantized linears."""
+def codes_of(name: str, qw) -> dict[str, torch.Tensor]:
+    """What an export keeps of a GGUF-only linear in ``CODES`` while it writes the file."""
+    out = {f"{name}.q": qw.q, f"{name}.scale": qw.scale.float(), f"{name}.zero_point": qw.zero_point}
+    if qw.scheme.is_kquant:
+        out[f"{name}.super"] = qw.global_scale
+    return out
 
-    def __init__(self, folder: Path):
+
+class _Export:
+    """The tensors of an export folder, read one at a time, and its quantized linears: those of
+    its compressed-tensors config, and the GGUF-only ones kept in ``CODES`` (``types`` names their
+    GGUF types)."""
+
+    def __init__(self, folder: Path, types: dict[str, str] | None = None):
         from .compressed_tensors import Reader
         from .safetensors import Checkpoint
 
@@ -158,12 +210,23 @@ class _Export:
         self.qconfig = self.config.get("quantization_config")
         compressed = (self.qconfig or {}).get("quant_method") == "compressed-tensors"
         self.layout = Reader(self.qconfig) if compressed else None
+        self.types = types or {}
+        self.codes = Checkpoint(folder / CODES) if self.types else None
 
     def read(self, key: str) -> torch.Tensor:
         return self.checkpoint.read([key])[key]
 
     def linears(self) -> list[str]:
-        return self.layout.quantized_linears(self.checkpoint) if self.layout else []
+        return (self.layout.quantized_linears(self.checkpoint) if self.layout else []) + list(self.types)
+
+    def type_of(self, name: str) -> str | None:
+        """The GGUF type of a quantized linear's blocks (None: no type holds them)."""
+        if name in self.types:
+            return self.types[name]
+        bits, group, symmetric = self.scheme_of(name)
+        if group != GROUP:
+            return None
+        return next((t for t, b in LEGACY.items() if (b.bits, b.symmetric) == (bits, symmetric)), None)
 
     def scheme_of(self, name: str):
         """(bits, group_size, symmetric) of a quantized linear, from the compressed-tensors config."""
@@ -180,8 +243,13 @@ class _Export:
             return self.read(f"{name}.weight_shape").tolist()
         return self.shapes[f"{name}.weight"]
 
-    def integers(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(q, scale, zero) of a quantized linear: signed integers (out, in) and (out, groups) each."""
+    def integers(self, name: str) -> tuple[torch.Tensor, ...]:
+        """(q, scale, zero) of a quantized linear: signed integers (out, in) and (out, groups) each,
+        and for a k-quant its super-block scales."""
+        if name in self.types:
+            keys = ["q", "scale", "zero_point"] + (["super"] if self.types[name] in kquant.TYPES else [])
+            found = self.codes.read([f"{name}.{k}" for k in keys])
+            return tuple(found[f"{name}.{k}"] for k in keys)
         qw = self.layout.integers(self.checkpoint, name)
         return qw.q, qw.scale, qw.zero_point
 
@@ -279,12 +347,10 @@ def _plan(export: _Export, tensor_map, embedding: str) -> list[_Entry]:
             raise GGUFError(f"no llama.cpp name for the tensor {key}")
         owner = key.rsplit(".", 1)[0]
         if owner in linears:
-            bits, group, symmetric = export.scheme_of(owner)
-            gguf_type = next(
-                (t for t, b in TYPES.items() if (b.bits, GROUP, b.symmetric) == (bits, group, symmetric)), None
-            )
+            gguf_type = export.type_of(owner)
             if gguf_type is None:
-                kinds = "; ".join(f"{t}: {b.describe()}" for t, b in TYPES.items())
+                bits, group, _ = export.scheme_of(owner)
+                kinds = "; ".join(f"{t}: {b.describe()}" for t, b in LEGACY.items())
                 raise GGUFError(f"{owner}: {bits}-bit weights in groups of {group} fit no GGUF type we write ({kinds})")
             entries.append(_Entry(gguf_name, owner, True, gguf_type))
         elif len(export.shapes[key]) == 1:
@@ -297,7 +363,7 @@ def _plan(export: _Export, tensor_map, embedding: str) -> list[_Entry]:
     return entries
 
 
-_GGML = {"q4_0": "Q4_0", "q4_1": "Q4_1", "q8_0": "Q8_0", "f16": "F16", "f32": "F32"}
+_GGML = {t: t.upper() for t in [*LEGACY, *kquant.TYPES, "f16", "f32"]}
 
 
 def _data(export: _Export, entry: _Entry, config: dict, arch: str) -> np.ndarray:
@@ -309,10 +375,12 @@ def _data(export: _Export, entry: _Entry, config: dict, arch: str) -> np.ndarray
     elif arch in PERMUTED and entry.name.endswith(("attn_k.weight", "attn_k.bias")):
         permute = config.get("num_key_value_heads") or config["num_attention_heads"]
     if entry.quantized:
-        q, scale, zero = export.integers(entry.source)
+        integers = export.integers(entry.source)
         if permute:
-            q, scale, zero = (_permute_rows(t, permute) for t in (q, scale, zero))
-        return pack_blocks(q, scale, zero, entry.gguf_type, entry.source)
+            integers = [_permute_rows(t, permute) for t in integers]
+        if entry.gguf_type in kquant.TYPES:
+            return gguf_kquants.pack(*integers, entry.gguf_type)
+        return pack_blocks(*integers, entry.gguf_type, entry.source)
     t = export.read(entry.source).float()
     if permute:
         t = _permute_rows(t, permute)
@@ -338,14 +406,15 @@ def _info(export: _Export, entry: _Entry) -> tuple[tuple[int, ...], np.dtype, in
     return (*shape[:-1], row_bytes), np.dtype(np.uint8), int(np.prod(shape[:-1])) * row_bytes
 
 
-def write(folder: str | Path, gguf_type: str | None, out: str | Path, embedding: str = "dense") -> Path:
+def write(folder: str | Path, gguf_type: str | None, out: str | Path, embedding: str = "dense", types=None) -> Path:
     """Write ``out`` (a .gguf file) from the export in ``folder``: its quantized linears as
-    ``gguf_type`` blocks (None: an export with no quantized linear, written F16/F32). Written
-    beside ``out`` and renamed at the end."""
+    ``gguf_type`` blocks (None: an export with no quantized linear, written F16/F32), or for a
+    k-quant, the type it falls back to where it cannot go; ``types``: the GGUF-only linears kept in
+    ``folder / CODES`` and their types. Written beside ``out`` and renamed at the end."""
     import gguf
 
     folder, out = Path(folder), Path(out)
-    export = _Export(folder)
+    export = _Export(folder, types)
     config = export.config
     if problem := family_problem(config.get("model_type")):
         raise GGUFError(problem)
@@ -359,9 +428,18 @@ def write(folder: str | Path, gguf_type: str | None, out: str | Path, embedding:
     model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
     tensor_map = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     entries = _plan(export, tensor_map, embedding)
+    if gguf_type is not None and not any(e.quantized for e in entries):
+        raise GGUFError(
+            f"{folder} holds no quantized linear to write as {gguf_type} (an export of k-quants keeps its "
+            "integers in its own GGUF file only: use that file)"
+        )
     if gguf_type is not None:
-        if wrong := [e for e in entries if e.quantized and e.gguf_type != gguf_type]:
-            raise GGUFError(f"{wrong[0].source}: {scheme_problem(gguf_type, *export.scheme_of(wrong[0].source))}")
+        allowed = {gguf_type, kquant.FALLBACK.get(gguf_type)}
+        if wrong := [e for e in entries if e.quantized and e.gguf_type not in allowed]:
+            source = wrong[0].source
+            if gguf_type in kquant.TYPES or source in export.types:
+                raise GGUFError(f"{source} is {wrong[0].gguf_type}, which a {gguf_type} file does not hold")
+            raise GGUFError(f"{source}: {scheme_problem(gguf_type, *export.scheme_of(source))}")
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
     writer = gguf.GGUFWriter(partial, arch)
     try:

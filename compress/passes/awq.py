@@ -137,7 +137,7 @@ def search_clip(
         ratio = 1 - i / grid
         clipped = W.clamp(wmin * ratio, wmax * ratio).reshape(rows, cols)
         scale, zero = compute_qparams(clipped, group_scheme, torch.float32)
-        deq = dequantize(quantize(clipped, scale, zero, group_scheme), scale, zero, torch.float32)
+        deq = dequantize(quantize(clipped, scale, zero, group_scheme), scale, zero, torch.float32, group_scheme)
         err = (torch.einsum("ngk,rgk->nrg", xs, deq.reshape(rows, cols // gs, gs)) - reference).pow(2).mean(0)
         better = err < best_err
         best_err[better], best_ratio[better] = err[better], ratio
@@ -179,19 +179,19 @@ class AWQ(WeightQuantPass):
                 return out[0] if isinstance(out, tuple) else out
 
             stat = inputs[names[0]]
-            s = search_scale(stat, [targets[n] for n in names], forward, self.scheme, o.grid)
+            s = search_scale(stat, [targets[n] for n in names], forward, self.scheme_for(prefix + names[0]), o.grid)
             fold(block, m, s, self.arch.norm_plus_one)
             stat.rescale(s)  # the clip search sees the scaled block's inputs
         for name, lin in targets.items():
             if o.clip and not name.endswith(("q_proj", "k_proj")):  # q/k errors are amplified by softmax
-                w, x = lin.weight.data, inputs[name].x
+                w, x, scheme = lin.weight.data, inputs[name].x, self.scheme_for(prefix + name)
                 (clipped,) = distributed.by_rows(  # rows never interact: several processes split them
-                    lambda r, w=w, x=x: [search_clip(w[r.start : r.stop], x, self.scheme, o.clip_grid, o.max_shrink)],
+                    lambda r, w=w, x=x, s=scheme: [search_clip(w[r.start : r.stop], x, s, o.clip_grid, o.max_shrink)],
                     w.shape[0],
                 )
                 lin.weight.data = clipped.to(lin.weight.dtype)
         if o.quantize:
-            self.round_to_nearest(targets)
+            self.round_to_nearest(targets, prefix)
 
     def summary(self) -> str:
         return f"awq {self.scheme.describe()}" if self.options.quantize else "awq scales"

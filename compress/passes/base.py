@@ -21,8 +21,9 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .. import moe
+from .. import kquant, moe
 from ..arch import arch_of, block_linears, decoder_layers
+from ..formats import gguf_file
 from ..quant import BLOCK_ROWS, FORMATS, QuantScheme, attach, global_scale_of, quantize_weight, resolve_group_size
 from ..sparsity import Pattern, parse_pattern, prune_by_magnitude
 
@@ -188,7 +189,8 @@ class QuantSpec(PassOptions):
     # how a group's scale is chosen: its min/max, or the clipped range that rounds best (``quant``)
     observer: Literal["minmax", "mse"] = "minmax"
     # the grid: integers, or a float format GPU servers run (``quant``), which fixes bits and group size
-    format: Literal["int", "fp8", "fp8_block", "nvfp4", "mxfp4"] = "int"
+    # or a GGUF k-quant (``compress/kquant.py``), which fixes bits, group size and symmetry
+    format: Literal["int", "fp8", "fp8_block", "nvfp4", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"] = "int"
 
     @field_validator("group_size")
     @classmethod
@@ -198,15 +200,28 @@ class QuantSpec(PassOptions):
         return v
 
     @model_validator(mode="after")
-    def _float_format(self):
+    def _fixed_format(self):
+        """A float format or k-quant fixes bits and group size (a k-quant its symmetry too)."""
         if self.format == "int":
             return self
         bits, group, _ = FORMATS[self.format]
         given = self.model_fields_set
+        reshaped = (
+            "bits" in given and self.bits != bits or "group_size" in given and self.group_size not in ("auto", group)
+        )
+        if self.format in kquant.TYPES:
+            symmetric = kquant.TYPES[self.format].symmetric
+            fixed = f"{self.format} stores {bits}-bit {'' if symmetric else 'a'}symmetric integers in groups of {group}"
+            if reshaped:
+                raise ValueError(f"{fixed}: drop bits and group_size")
+            if "symmetric" in given and self.symmetric != symmetric:
+                raise ValueError(f"{fixed}: drop symmetric")
+            self.bits, self.group_size, self.symmetric = bits, group, symmetric
+            return self
         per = "per channel" if group == -1 else f"per {group} weights"
         per = f"per tile of {BLOCK_ROWS} × {group} weights" if self.format == "fp8_block" else per
         fixed = f"{self.format} stores {bits}-bit values with one scale {per}"
-        if "bits" in given and self.bits != bits or "group_size" in given and self.group_size not in ("auto", group):
+        if reshaped:
             raise ValueError(f"{fixed}: drop bits and group_size (or set bits: {bits}, group_size: {group})")
         if not self.symmetric:
             raise ValueError(f"{self.format} is symmetric: drop symmetric: false")
@@ -248,13 +263,32 @@ def resolve_scheme(spec: QuantSpec, widths: dict[str, tuple[int, int]], where: s
                 "use group_size: auto, -1, or a divisor of every width"
             )
     scheme = QuantScheme(spec.bits, g, spec.symmetric, observer=spec.observer, format=spec.format)
-    if not scheme.symmetric:
+    if not scheme.symmetric and not scheme.is_kquant:
         warnings.warn(
             f"{where}.symmetric: false exports zero-points that vLLM reads but transformers "
             "5 with compressed-tensors 0.20 cannot reload (see docs/limits.md)",
             stacklevel=3,
         )
     return scheme
+
+
+def fallback_schemes(scheme: QuantScheme, widths: dict[str, tuple[int, int]], where: str) -> dict[str, QuantScheme]:
+    """A k-quant's super-blocks span 256 inputs: the layers whose input width is not a multiple of
+    256 take the type llama.cpp falls back to (``kquant.FALLBACK``), as a scheme here."""
+    if not scheme.is_kquant:
+        return {}
+    bad = {n: w for n, (w, _) in widths.items() if w % kquant.SUPER}
+    if not bad:
+        return {}
+    fallback = kquant.FALLBACK[scheme.format]
+    bits, symmetric = gguf_file.LEGACY[fallback].bits, gguf_file.LEGACY[fallback].symmetric
+    other = QuantScheme(bits, gguf_file.GROUP, symmetric, fp16_scales=True, observer=scheme.observer)
+    warnings.warn(
+        f"{where}: {_listed(sorted({(_shape_pattern(n), w) for n, w in bad.items()}))} are not whole super-blocks "
+        f"of {kquant.SUPER} inputs; they take {fallback}, as llama.cpp does",
+        stacklevel=3,
+    )
+    return dict.fromkeys(bad, other)
 
 
 class LinearPass(LayerPass):
@@ -314,11 +348,16 @@ class WeightQuantPass(LinearPass):
     def check(self, model: torch.nn.Module) -> None:
         super().check(model)
         self.scheme = replace(resolve_scheme(self.options, self.widths, self.where), fp16_scales=self.fp16_scales)
+        self.schemes = fallback_schemes(self.scheme, self.widths, self.where)
+
+    def scheme_for(self, name: str) -> QuantScheme:
+        """The scheme of the linear ``name`` (its full name): the pass's, or where that cannot go, its fallback."""
+        return self.schemes.get(name, self.scheme)
 
     def without_data(self, block: torch.nn.Module, prefix: str) -> None:
-        self.round_to_nearest(self.targets(block, prefix, starved=True))
+        self.round_to_nearest(self.targets(block, prefix, starved=True), prefix)
 
-    def round_to_nearest(self, linears: dict[str, torch.nn.Linear]) -> None:
+    def round_to_nearest(self, linears: dict[str, torch.nn.Linear], prefix: str) -> None:
         """Round ``linears`` to the nearest grid values. NVFP4's global scale is shared by the linears
         that read one input (q/k/v, gate/up): vLLM fuses them into one matmul under one global scale."""
         shared = {}
@@ -328,7 +367,7 @@ class WeightQuantPass(LinearPass):
                 shared |= dict.fromkeys(group, lowest.reshape(1))
         for name, lin in linears.items():
             global_scale = shared[name].clone() if name in shared else None  # each its own tensor (resume files)
-            attach(lin, quantize_weight(lin.weight.data, self.scheme, self.dtype, global_scale))
+            attach(lin, quantize_weight(lin.weight.data, self.scheme_for(prefix + name), self.dtype, global_scale))
 
     def summary(self) -> str:
         return f"{self.name} {self.scheme.describe()}"

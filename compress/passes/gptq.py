@@ -78,9 +78,9 @@ class GPTQ(WeightQuantPass):
                 warnings.warn(
                     f"{prefix}{'/'.join(group)}: no usable calibration input; falling back to RTN", stacklevel=2
                 )
-                for lin, mask in zip(linears, masks):
+                for name, lin, mask in zip(group, linears, masks):
                     w = lin.weight.data if mask is None else lin.weight.data.masked_fill(mask, 0)
-                    attach(lin, quantize_weight(w, self.scheme, self.dtype))
+                    attach(lin, quantize_weight(w, self.scheme_for(prefix + name), self.dtype))
                 continue
             # Rows never interact in the sweep, so linears sharing an input (q/k/v, gate/up) go
             # through it as one stacked matrix: one factorisation, one pass over the columns.
@@ -95,7 +95,7 @@ class GPTQ(WeightQuantPass):
                 weight,
                 H.H,
                 prefix + "/".join(group),
-                scheme=self.scheme,
+                scheme=self.scheme_for(prefix + group[0]),  # one input width: one scheme
                 dtype=self.dtype,
                 mask=mask,
                 percdamp=o.percdamp,
@@ -105,9 +105,12 @@ class GPTQ(WeightQuantPass):
                 alpha=o.gptaq_alpha,
             ).quantized
             rows = [lin.out_features for lin in linears]
-            for lin, ints, scale, zero in zip(linears, q.q.split(rows), q.scale.split(rows), q.zero_point.split(rows)):
-                shared = None if q.global_scale is None else q.global_scale.clone()  # each linear its own storage
-                attach(lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone(), shared))
+            # NVFP4's global scale is shared by the stacked linears, a k-quant's super-block scales are per row
+            tops = q.global_scale.split(rows) if q.scheme.is_kquant else [q.global_scale] * len(linears)
+            parts = zip(linears, q.q.split(rows), q.scale.split(rows), q.zero_point.split(rows), tops)
+            for lin, ints, scale, zero, top in parts:
+                top = None if top is None else top.clone()  # each linear its own storage
+                attach(lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone(), top))
 
     def summary(self) -> str:
         o = self.options

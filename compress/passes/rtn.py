@@ -13,4 +13,4 @@ class RTN(WeightQuantPass):
     needs_data = False
 
     def apply(self, block, data, prefix: str) -> None:
-        self.round_to_nearest(self.targets(block, prefix))
+        self.round_to_nearest(self.targets(block, prefix), prefix)

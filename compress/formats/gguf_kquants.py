@@ -1,0 +1,80 @@
+"""llama.cpp's k-quant blocks (``block_q2_K`` ... ``block_q6_K`` in ggml-common.h), packed bit for
+bit from a ``QuantizedWeight`` on a k-quant grid (``compress/kquant.py``): part of the GGUF format
+(``gguf_file``), kept apart because each type has its own byte layout.
+
+Every layout is the inverse of gguf-py's ``dequantize_blocks`` for the type, which the tests use to
+check that the file dequantizes to the very weights we evaluated.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import kquant
+
+
+def _fp16(x: torch.Tensor) -> np.ndarray:
+    """(blocks,) float32 holding float16 numbers -> (blocks, 2) bytes."""
+    return x.to(torch.float16).numpy().reshape(-1, 1).view(np.uint8)
+
+
+def _bits(u: np.ndarray, lanes: int, width: int) -> np.ndarray:
+    """Pack ``lanes`` runs of ``width``-bit values into bytes: u (blocks, lanes, n) -> (blocks, n),
+    lane j at bit ``j * width`` (how llama.cpp interleaves 2-, 4- and 1-bit planes)."""
+    out = np.zeros(u.shape[::2], dtype=np.uint8)
+    for j in range(lanes):
+        out |= (u[:, j] & ((1 << width) - 1)) << (j * width)
+    return out
+
+
+def _scales_k4(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_K's and Q5_K's 12 bytes of eight 6-bit scales and minimums (``get_scale_min_k4``)."""
+    low = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    mid = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    high = (sc[:, 4:] & 0xF) | ((m[:, 4:] & 0xF) << 4)
+    return np.concatenate([low, mid, high], axis=1)
+
+
+def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, supers: torch.Tensor, gguf_type: str) -> np.ndarray:
+    """(rows, cols) codes with per-group ``scale``/``zero`` under ``supers`` (rows, cols / 256, 2)
+    -> (rows, bytes per row) uint8 in the type's block layout."""
+    ktype = kquant.TYPES[gguf_type]
+    rows, cols = q.shape
+    if cols % kquant.SUPER:
+        raise ValueError(f"{gguf_type} packs rows of whole super-blocks of {kquant.SUPER}; got {cols} columns")
+    k, m = kquant.codes(scale, zero, supers, ktype)
+    blocks = rows * cols // kquant.SUPER
+    k = k.numpy().reshape(blocks, -1)
+    m = m.numpy().reshape(blocks, -1).astype(np.uint8)
+    d, dmin = supers[..., 0].reshape(-1), supers[..., 1].reshape(-1)
+    if ktype.symmetric:  # signed scale codes, as llama.cpp stores them: negative d and codes
+        d, k = -d, -k
+        u = (q.to(torch.int16) + 2 ** (ktype.bits - 1)).numpy().astype(np.uint8).reshape(blocks, kquant.SUPER)
+    else:
+        u = q.numpy().astype(np.uint8).reshape(blocks, kquant.SUPER)
+    if gguf_type == "q2_k":
+        scales = k.astype(np.uint8) | (m << 4)
+        qs = _bits(u.reshape(blocks, 2, 4, 32).transpose(0, 2, 1, 3).reshape(blocks, 4, 64), 4, 2)
+        parts = [scales, qs, _fp16(d), _fp16(dmin)]
+    elif gguf_type == "q3_k":
+        code = (k + 32).astype(np.uint8)  # -32..31 stored as 0..63
+        hmask = _bits((u >> 2).reshape(blocks, 8, 32), 8, 1)
+        qs = _bits((u & 3).reshape(blocks, 2, 4, 32).transpose(0, 2, 1, 3).reshape(blocks, 4, 64), 4, 2)
+        low = (code[:, :8] & 0xF) | ((code[:, 8:] & 0xF) << 4)
+        high = _bits((code >> 4).reshape(blocks, 4, 4), 4, 2)
+        parts = [hmask, qs, low, high, _fp16(d)]
+    elif gguf_type in ("q4_k", "q5_k"):
+        scales = _scales_k4(k.astype(np.uint8), m)
+        nibbles = _bits((u & 0xF).reshape(blocks, 4, 2, 32).transpose(0, 2, 1, 3).reshape(blocks, 2, 128), 2, 4)
+        parts = [_fp16(d), _fp16(dmin), scales]
+        if gguf_type == "q5_k":
+            parts.append(_bits((u >> 4).reshape(blocks, 8, 32), 8, 1))
+        parts.append(nibbles)
+    else:  # q6_k
+        lo = (u & 0xF).reshape(blocks, 2, 2, 64).transpose(0, 2, 1, 3).reshape(blocks, 2, 128)
+        hi = (u >> 4).reshape(blocks, 2, 4, 32).transpose(0, 2, 1, 3).reshape(blocks, 4, 64)
+        parts = [_bits(lo, 2, 4), _bits(hi, 4, 2), k.astype(np.int8).view(np.uint8), _fp16(d)]
+    packed = np.concatenate(parts, axis=1)
+    assert packed.shape[1] == ktype.block_bytes
+    return packed.reshape(rows, -1)
