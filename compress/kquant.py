@@ -28,8 +28,7 @@ import torch
 
 SUPER = 256  # weights per super-block (llama.cpp's QK_K)
 
-# Where a row is not whole super-blocks, llama.cpp writes another type (``llama-quant.cpp``). For
-# Q2_K and Q3_K that is IQ4_NL, a non-uniform grid we do not write; Q4_0 has its size.
+# Where a row is not whole super-blocks, llama.cpp writes another type (``llama-quant.cpp``)
 FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
 
 

@@ -23,9 +23,23 @@ PASSES = {
     # each k-quant through another pass: every way of rounding reaches the file exactly
     "q2_k": "awq: {format: q2_k, grid: 4}",
     "q3_k": "rtn: {format: q3_k}",
+    "q3_k_m": "gptq: {format: q3_k}",
     "q4_k": "gptq: {format: q4_k, actorder: true}",
+    "q4_k_m": "gptq: {format: q4_k, observer: mse}",
     "q5_k": "gptq: {format: q5_k, observer: mse}",
     "q6_k": "gptq: {format: q6_k}",
+}
+# What llama.cpp's quantizer writes for the 7 linears of each of the tiny model's 2 blocks (4 query
+# heads, 2 key-value heads): q2_k and the _m mixes give some attention-value (v), FFN-down (d) and
+# attention-output (o) tensors more bits
+K_TYPES = {
+    "q2_k": {"Q2_K": 8, "Q3_K": 6},  # v, d, o: Q3_K
+    "q3_k": {"Q3_K": 14},
+    "q3_k_m": {"Q3_K": 8, "Q5_K": 2, "Q4_K": 4},  # v of blocks 0-1: Q5_K; d, o: Q4_K
+    "q4_k": {"Q4_K": 14},
+    "q4_k_m": {"Q4_K": 12, "Q6_K": 2},  # v, d of the last block: Q6_K
+    "q5_k": {"Q5_K": 14},
+    "q6_k": {"Q6_K": 14},
 }
 
 
@@ -71,30 +85,37 @@ def _gguf_weights(path, config):
 
 @pytest.mark.parametrize(
     "kind,gguf_type",
-    [("llama", t) for t in ("q4_0", "q4_1", "q8_0")] + [("mistral", "q4_0")] + [("wide", t) for t in kquant.TYPES],
+    [("llama", t) for t in ("q4_0", "q4_1", "q8_0")] + [("mistral", "q4_0")] + [("wide", t) for t in K_TYPES],
 )
 def test_the_gguf_holds_the_weights_we_evaluated_bit_for_bit(kind, gguf_type, folders, tmp_path):
-    _assert_holds_the_export(*_export(folders[kind], tmp_path, gguf_type), gguf_type)
+    types = K_TYPES.get(gguf_type, {gguf_type.upper(): 14})
+    _assert_holds_the_export(*_export(folders[kind], tmp_path, gguf_type), types)
 
 
-@pytest.mark.parametrize("gguf_type", list(kquant.TYPES))
+@pytest.mark.parametrize("gguf_type", list(K_TYPES))
 def test_a_k_quant_falls_back_where_rows_are_not_whole_super_blocks(gguf_type, folders, tmp_path):
-    # every width of this model is 64 or 128: llama.cpp's fallback type throughout
-    _assert_holds_the_export(*_export(folders["llama"], tmp_path, gguf_type), kquant.FALLBACK[gguf_type])
+    # every width of this model is 64 or 128: llama.cpp's fallback type for each tensor's k-quant
+    fallen = {}
+    for t, n in K_TYPES[gguf_type].items():
+        fallback = kquant.FALLBACK[t.lower()].upper()
+        fallen[fallback] = fallen.get(fallback, 0) + n
+    _assert_holds_the_export(*_export(folders["llama"], tmp_path, gguf_type), fallen)
 
 
-def _assert_holds_the_export(out, path, gguf_type):
+def _assert_holds_the_export(out, path, types: dict[str, int]):
+    """Every tensor of the file is the reloaded export's, bit for bit; its quantized ones are of ``types`` (count)."""
     ours = models.load(str(out), torch.float32).model  # the export (dense where only GGUF holds it), as evaluated
     names, tensors = _gguf_weights(path, ours.config)
     state = ours.state_dict()
-    quantized = 0
+    found = {}
     for key, value in state.items():
         if key == "lm_head.weight" and ours.config.tie_word_embeddings:
             continue
         w, kind = tensors[names.get_name(key, try_suffixes=(".weight", ".bias"))]
         assert torch.equal(w, value.float()), key
-        quantized += kind == gguf_type.upper()
-    assert quantized == 7 * ours.config.num_hidden_layers  # q k v o gate up down in every block
+        if kind not in ("F32", "F16"):
+            found[kind] = found.get(kind, 0) + 1
+    assert found == types
 
 
 @pytest.mark.parametrize(

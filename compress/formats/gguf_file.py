@@ -59,12 +59,52 @@ LEGACY = {
     "q5_1": BlockType(5, False),
     "q8_0": BlockType(8, True),
 }
-TYPES = ["q4_0", "q4_1", "q8_0", *kquant.TYPES]  # what a recipe's export.type names
+# A k-quant file as llama.cpp's quantizer makes it (``llama_tensor_get_type`` in llama-quant.cpp) is
+# a mix: a base type, and more bits for some attention-value, FFN-down and attention-output tensors
+# (``mix_type``). q3_k, q4_k and q5_k alone are llama.cpp's ``--pure`` files of those types.
+MIX_BASE = {
+    "q2_k": "q2_k",
+    "q3_k_s": "q3_k",
+    "q3_k_m": "q3_k",
+    "q3_k_l": "q3_k",
+    "q4_k_s": "q4_k",
+    "q4_k_m": "q4_k",
+    "q5_k_s": "q5_k",
+    "q5_k_m": "q5_k",
+    "q6_k": "q6_k",
+    "q3_k": "q3_k",
+    "q4_k": "q4_k",
+    "q5_k": "q5_k",
+}
+TYPES = ["q4_0", "q4_1", "q8_0", *MIX_BASE]  # what a recipe's export.type names
 # transformers model_type -> llama.cpp architecture (Mistral is written as Llama, as llama.cpp does)
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 PERMUTED = ("llama",)  # llama.cpp's Llama rotates q/k rows pairwise interleaved, not by halves
-# llama_ftype: MOSTLY_Q4_0, _Q4_1, _Q8_0, _Q2_K, _Q3_K_S, _Q4_K_S, _Q5_K_S, _Q6_K
-FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q2_k": 10, "q3_k": 11, "q4_k": 14, "q5_k": 16, "q6_k": 18}
+# llama_ftype: MOSTLY_Q4_0, _Q4_1, _Q8_0, _Q2_K, _Q3_K_S, _M, _L, _Q4_K_S, _M, _Q5_K_S, _M, _Q6_K
+FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13}
+FILE_TYPES |= {"q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18, "q3_k": 11, "q4_k": 14, "q5_k": 16}
+ROLES = {"v_proj": "attn_v", "down_proj": "ffn_down", "o_proj": "attn_output"}  # the tensors mixes single out
+
+
+def mix_type(mix: str, linear: str, layer: int, layers: int, gqa: int) -> str:
+    """The k-quant llama.cpp gives the linear ``linear`` (its name in the block) of block ``layer``
+    in a ``mix`` file, before any fallback (``kquant.FALLBACK``), for a dense model of ``layers``
+    blocks with ``gqa`` query heads per key-value head."""
+    base, role = MIX_BASE[mix], ROLES.get(linear.rsplit(".", 1)[-1])
+    more = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+    if mix == "q2_k" and role:
+        return "q4_k" if role == "attn_v" and gqa >= 4 else "q3_k"
+    if mix == "q3_k_m" and role:
+        first = layer < 2 if role == "attn_v" else layer < layers // 16
+        return "q5_k" if first and role != "attn_output" else "q4_k"
+    if mix == "q3_k_l" and role:
+        return "q5_k"
+    if mix in ("q4_k_m", "q5_k_m") and role in ("attn_v", "ffn_down") and more:
+        return "q6_k"
+    if mix == "q4_k_s" and (role == "attn_v" and layer < 4 or role == "ffn_down" and layer < layers // 8):
+        return "q5_k"
+    return base
+
 
 # llama.cpp names a GPT-2-style tokenizer's pre-tokenizer by hashing the ids of this text
 # (``get_vocab_base_pre`` in its converter); the families we write, by hash:
@@ -126,9 +166,10 @@ def adapt(p, gguf_type: str) -> str | None:
     if not p.compresses or not p.leaves or p.leaves - STORES:
         return "export.format gguf holds quantized and pruned linears only; drop this pass or export compressed-tensors"
     if (spec := p.rounding) is not None:
-        if gguf_type in kquant.TYPES or spec.format in kquant.TYPES:
-            if spec.format != gguf_type:
-                return f"GGUF {gguf_type} needs the pass to round onto its grid: set format: {gguf_type}"
+        if gguf_type in MIX_BASE or spec.format in kquant.TYPES:
+            if spec.format != MIX_BASE.get(gguf_type):
+                return f"GGUF {gguf_type} needs the pass to round onto its grid: set format: {MIX_BASE[gguf_type]}"
+            p.gguf_type = gguf_type
         elif spec.format != "int":
             return f"GGUF {gguf_type} stores integers, not {spec.format}; drop format or export compressed-tensors"
         elif problem := scheme_problem(gguf_type, spec.bits, spec.group_size, spec.symmetric):
@@ -433,13 +474,9 @@ def write(folder: str | Path, gguf_type: str | None, out: str | Path, embedding:
             f"{folder} holds no quantized linear to write as {gguf_type} (an export of k-quants keeps its "
             "integers in its own GGUF file only: use that file)"
         )
-    if gguf_type is not None:
-        allowed = {gguf_type, kquant.FALLBACK.get(gguf_type)}
-        if wrong := [e for e in entries if e.quantized and e.gguf_type not in allowed]:
-            source = wrong[0].source
-            if gguf_type in kquant.TYPES or source in export.types:
-                raise GGUFError(f"{source} is {wrong[0].gguf_type}, which a {gguf_type} file does not hold")
-            raise GGUFError(f"{source}: {scheme_problem(gguf_type, *export.scheme_of(source))}")
+    if gguf_type in LEGACY:  # a k-quant mix holds what the recipe's rounding chose per layer
+        if wrong := [e for e in entries if e.quantized and e.gguf_type != gguf_type]:
+            raise GGUFError(f"{wrong[0].source}: {scheme_problem(gguf_type, *export.scheme_of(wrong[0].source))}")
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")
     writer = gguf.GGUFWriter(partial, arch)
     try:

@@ -272,23 +272,38 @@ def resolve_scheme(spec: QuantSpec, widths: dict[str, tuple[int, int]], where: s
     return scheme
 
 
-def fallback_schemes(scheme: QuantScheme, widths: dict[str, tuple[int, int]], where: str) -> dict[str, QuantScheme]:
-    """A k-quant's super-blocks span 256 inputs: the layers whose input width is not a multiple of
-    256 take the type llama.cpp falls back to (``kquant.FALLBACK``), as a scheme here."""
+def _gguf_scheme(gguf_type: str, observer: str) -> QuantScheme:
+    if gguf_type in kquant.TYPES:
+        t = kquant.TYPES[gguf_type]
+        return QuantScheme(t.bits, t.group, t.symmetric, observer=observer, format=gguf_type)
+    legacy = gguf_file.LEGACY[gguf_type]
+    return QuantScheme(legacy.bits, gguf_file.GROUP, legacy.symmetric, fp16_scales=True, observer=observer)
+
+
+def gguf_schemes(scheme: QuantScheme, mix: str | None, widths: dict, where: str, config) -> dict[str, QuantScheme]:
+    """The layers whose scheme is not the pass's k-quant: those a GGUF ``mix`` gives more bits, as
+    llama.cpp's quantizer does (``gguf_file.mix_type``), and those whose input width is not whole
+    super-blocks of 256, which take the type llama.cpp falls back to (``kquant.FALLBACK``)."""
     if not scheme.is_kquant:
         return {}
-    bad = {n: w for n, (w, _) in widths.items() if w % kquant.SUPER}
-    if not bad:
-        return {}
-    fallback = kquant.FALLBACK[scheme.format]
-    bits, symmetric = gguf_file.LEGACY[fallback].bits, gguf_file.LEGACY[fallback].symmetric
-    other = QuantScheme(bits, gguf_file.GROUP, symmetric, fp16_scales=True, observer=scheme.observer)
-    warnings.warn(
-        f"{where}: {_listed(sorted({(_shape_pattern(n), w) for n, w in bad.items()}))} are not whole super-blocks "
-        f"of {kquant.SUPER} inputs; they take {fallback}, as llama.cpp does",
-        stacklevel=3,
-    )
-    return dict.fromkeys(bad, other)
+    layers, heads = config.num_hidden_layers, config.num_attention_heads
+    gqa = heads // (getattr(config, "num_key_value_heads", None) or heads)
+    out, fallen = {}, {}
+    for name, (width, _) in widths.items():
+        layer = int(re.search(r"\.(\d+)\.", name).group(1))
+        chosen = gguf_file.mix_type(mix or scheme.format, name, layer, layers, gqa)
+        if width % kquant.SUPER:
+            chosen = fallen[name] = kquant.FALLBACK[chosen]
+        if chosen != scheme.format:
+            out[name] = _gguf_scheme(chosen, scheme.observer)
+    if fallen:
+        kinds = ", ".join(sorted(set(fallen.values())))
+        warnings.warn(
+            f"{where}: {_listed(sorted({(_shape_pattern(n), widths[n][0]) for n in fallen}))} are not whole "
+            f"super-blocks of {kquant.SUPER} inputs; they take {kinds}, as llama.cpp does",
+            stacklevel=3,
+        )
+    return out
 
 
 class LinearPass(LayerPass):
@@ -297,6 +312,7 @@ class LinearPass(LayerPass):
     Options = LinearOptions
     dtype: torch.dtype
     fp16_scales: bool = False  # set by a format whose scales are float16 (``gguf_file.adapt``)
+    gguf_type: str | None = None  # set by ``gguf_file.adapt`` for a k-quant file: its mix sets each layer's scheme
 
     def targets(self, block: torch.nn.Module, prefix: str, starved: bool = False) -> dict[str, torch.nn.Linear]:
         """The block's linears this pass changes, minus ``ignore``. A pass that needs data leaves out the
@@ -348,7 +364,7 @@ class WeightQuantPass(LinearPass):
     def check(self, model: torch.nn.Module) -> None:
         super().check(model)
         self.scheme = replace(resolve_scheme(self.options, self.widths, self.where), fp16_scales=self.fp16_scales)
-        self.schemes = fallback_schemes(self.scheme, self.widths, self.where)
+        self.schemes = gguf_schemes(self.scheme, self.gguf_type, self.widths, self.where, model.config)
 
     def scheme_for(self, name: str) -> QuantScheme:
         """The scheme of the linear ``name`` (its full name): the pass's, or where that cannot go, its fallback."""

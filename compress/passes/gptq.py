@@ -72,45 +72,49 @@ class GPTQ(WeightQuantPass):
         targets = self.targets(block, prefix)
         make_stat = self._asymmetric(block, data) if o.gptaq else Hessian
         for group, H in hessian_stages(data, self.target_groups(targets), o.true_sequential, make_stat):
-            linears = [targets[name] for name in group]
-            masks = [prune_mask_of(lin) for lin in linears]
             if not usable(H):
                 warnings.warn(
                     f"{prefix}{'/'.join(group)}: no usable calibration input; falling back to RTN", stacklevel=2
                 )
-                for name, lin, mask in zip(group, linears, masks):
+                for name in group:
+                    lin, mask = targets[name], prune_mask_of(targets[name])
                     w = lin.weight.data if mask is None else lin.weight.data.masked_fill(mask, 0)
                     attach(lin, quantize_weight(w, self.scheme_for(prefix + name), self.dtype))
                 continue
-            # Rows never interact in the sweep, so linears sharing an input (q/k/v, gate/up) go
-            # through it as one stacked matrix: one factorisation, one pass over the columns.
-            weight = torch.cat([lin.weight.data for lin in linears])
-            mask = torch.cat(
-                [
-                    m if m is not None else torch.zeros_like(lin.weight, dtype=torch.bool)
-                    for lin, m in zip(linears, masks)
-                ]
-            )  # no prune mask: nothing pruned
-            q = obs_sweep(
-                weight,
-                H.H,
-                prefix + "/".join(group),
-                scheme=self.scheme_for(prefix + group[0]),  # one input width: one scheme
-                dtype=self.dtype,
-                mask=mask,
-                percdamp=o.percdamp,
-                blocksize=o.blocksize,
-                actorder=o.actorder,
-                asymmetry=H.asymmetry if o.gptaq else None,
-                alpha=o.gptaq_alpha,
-            ).quantized
-            rows = [lin.out_features for lin in linears]
-            # NVFP4's global scale is shared by the stacked linears, a k-quant's super-block scales are per row
-            tops = q.global_scale.split(rows) if q.scheme.is_kquant else [q.global_scale] * len(linears)
-            parts = zip(linears, q.q.split(rows), q.scale.split(rows), q.zero_point.split(rows), tops)
-            for lin, ints, scale, zero, top in parts:
-                top = None if top is None else top.clone()  # each linear its own storage
-                attach(lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone(), top))
+            schemes = {name: self.scheme_for(prefix + name) for name in group}  # a GGUF mix may differ within a group
+            for scheme in dict.fromkeys(schemes.values()):
+                names = [name for name in group if schemes[name] == scheme]
+                self._sweep([targets[name] for name in names], H, scheme, prefix + "/".join(names))
+
+    def _sweep(self, linears: list, H, scheme, name: str) -> None:
+        """Round ``linears``, which read one input, with ``scheme``. Rows never interact in the sweep,
+        so they go through it as one stacked matrix: one factorisation, one pass over the columns."""
+        o = self.options
+        weight = torch.cat([lin.weight.data for lin in linears])
+        masks = [prune_mask_of(lin) for lin in linears]
+        mask = torch.cat(
+            [m if m is not None else torch.zeros_like(lin.weight, dtype=torch.bool) for lin, m in zip(linears, masks)]
+        )  # no prune mask: nothing pruned
+        q = obs_sweep(
+            weight,
+            H.H,
+            name,
+            scheme=scheme,
+            dtype=self.dtype,
+            mask=mask,
+            percdamp=o.percdamp,
+            blocksize=o.blocksize,
+            actorder=o.actorder,
+            asymmetry=H.asymmetry if o.gptaq else None,
+            alpha=o.gptaq_alpha,
+        ).quantized
+        rows = [lin.out_features for lin in linears]
+        # NVFP4's global scale is shared by the stacked linears, a k-quant's super-block scales are per row
+        tops = q.global_scale.split(rows) if q.scheme.is_kquant else [q.global_scale] * len(linears)
+        parts = zip(linears, q.q.split(rows), q.scale.split(rows), q.zero_point.split(rows), tops)
+        for lin, ints, scale, zero, top in parts:
+            top = None if top is None else top.clone()  # each linear its own storage
+            attach(lin, QuantizedWeight(q.scheme, ints.clone(), scale.clone(), zero.clone(), top))
 
     def summary(self) -> str:
         o = self.options
