@@ -121,8 +121,11 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
     common(p, None, "bfloat16 (default; float32 for a recipe that exports GGUF), float16 or float32")
     p.set_defaults(func=commands["apply"])
 
-    p = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a model or exported folder")
-    p.add_argument("model", help="exported folder, local HF folder or alias")
+    p = sub.add_parser("eval", help="perplexity, KL and top-1 agreement of a model, an export or a GGUF file")
+    p.add_argument(
+        "model",
+        help="exported folder, local HF folder, alias, or a .gguf file (scored by llama.cpp: the [llama] extra)",
+    )
     p.add_argument("--ppl", default="wikitext2", help="wikitext2, c4, pile-val or a .txt/.jsonl file")
     p.add_argument("--windows", type=_whole(1), default=40)
     p.add_argument("--seqlen", type=_whole(2), default=2048)

@@ -24,6 +24,7 @@ from .decode import DecodeError
 from .export import DISK_ERRORS, MANIFEST, ExportError
 from .formats.gguf_file import GGUFError
 from .formats.safetensors import CheckpointError
+from .llama_cpp import LlamaCppError
 from .memory import MemoryPlanError
 from .models import ModelLoadError
 from .passes import RecipeError
@@ -42,6 +43,7 @@ USER_ERRORS = (
     MemoryPlanError,
     ResumeError,
     ReportError,
+    LlamaCppError,
     distributed.DistributedError,
 )
 
@@ -105,10 +107,47 @@ def _export(args) -> None:
     print(f"wrote {written} ({written.stat().st_size / 1e6:.1f} MB)")
 
 
+def _eval_gguf(args) -> None:
+    """``compress eval FILE.gguf``: llama.cpp's logits on our windows, against the reference."""
+    from . import models
+    from .evaluate import evaluate_gguf
+
+    path = Path(args.model)
+    if args.bitsandbytes or args.write_report:
+        raise ExportError("--bitsandbytes and --write-report take a model folder, not a GGUF file")
+    reference = args.reference
+    if reference is None and (path.parent / MANIFEST).is_file():  # a GGUF inside one of our exports
+        reference = json.loads((path.parent / MANIFEST).read_text()).get("base_model")
+    if not reference or reference == "none":
+        raise DataError(f"{path.name}: give --reference MODEL, the dense model whose tokenizer cuts the windows")
+    ref = models.open_streamed(reference, models.parse_dtype(args.dtype))
+    result = evaluate_gguf(path, ref.tokenizer, args.ppl, args.seqlen, args.windows, ref.model)
+    print(f"model: {path}    reference: {reference}")
+    _print_result(result)
+
+
+def _print_result(result, bits_line: str | None = None) -> None:
+    print(f"protocol: {result.protocol}")
+    if bits_line:
+        print(bits_line)
+    print(f"perplexity: {result.ppl:.4f}" + (f" ± {result.ppl_se:.4f}" if result.ppl_se is not None else ""))
+    if result.ref_ppl is not None:
+        print(
+            f"reference perplexity: {result.ref_ppl:.4f}    KL: {result.kl:.5f} nats/token    "
+            f"top-1 agreement: {result.top1:.4f}"
+        )
+        if result.increase_se is not None:
+            print(f"increase: {result.ppl / result.ref_ppl - 1:+.2%} ± {result.increase_se:.2%} (paired over windows)")
+    if result.ppl_se is not None:
+        print("±: one standard error over the windows (docs/evaluation.md)")
+
+
 def _eval(args) -> None:
     from . import bnb, export, models
     from .evaluate import evaluate
 
+    if args.model.endswith(".gguf") and Path(args.model).is_file():
+        return _eval_gguf(args)
     dtype = models.parse_dtype(args.dtype)
     device = models.pick_device(args.device)
     manifest = Path(args.model) / MANIFEST
@@ -142,19 +181,8 @@ def _eval(args) -> None:
     if not distributed.is_main():  # torchrun: every rank scored its windows; rank 0 reports
         return
     print(f"model: {args.model}    reference: {reference or 'none'}")
-    print(f"protocol: {result.protocol}")
-    if args.bitsandbytes:
-        print(f"bitsandbytes {args.bitsandbytes}: {bits:.3f} bits per weight over {count:,} linear weights")
-    print(f"perplexity: {result.ppl:.4f}" + (f" ± {result.ppl_se:.4f}" if result.ppl_se is not None else ""))
-    if ref_model is not None:
-        print(
-            f"reference perplexity: {result.ref_ppl:.4f}    KL: {result.kl:.5f} nats/token    "
-            f"top-1 agreement: {result.top1:.4f}"
-        )
-        if result.increase_se is not None:
-            print(f"increase: {result.ppl / result.ref_ppl - 1:+.2%} ± {result.increase_se:.2%} (paired over windows)")
-    if result.ppl_se is not None:
-        print("±: one standard error over the windows (docs/evaluation.md)")
+    bits_line = f"bitsandbytes {args.bitsandbytes}: {bits:.3f} bits per weight over {count:,} linear weights"
+    _print_result(result, bits_line if args.bitsandbytes else None)
     if args.write_report:
         print(f"report: {export.add_evaluation(Path(args.model), result.as_dict())}")
 

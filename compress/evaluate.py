@@ -226,15 +226,44 @@ def evaluate_many(
     n = int(distributed.total(float(len(data)))[0])
     for sc in scores.values():  # sums over every rank's windows
         sc.nll, sc.kl, sc.agree, sc.count, sc.x, sc.xx, sc.d, sc.dd = distributed.total(*sc.totals())
-    protocol = f"{describe_source(source, 'test')}, {n} × {seqlen} tokens"
-    ref_ppl = math.exp(scores[_REF].nll / scores[_REF].count) if reference is not None else None
+    return _results(scores, list(models), f"{describe_source(source, 'test')}, {n} × {seqlen} tokens", n)
+
+
+@torch.no_grad()
+def evaluate_gguf(
+    path, tokenizer, source: str = "wikitext2", seqlen: int = 2048, windows: int = 40, reference=None, threads=None
+) -> EvalResult:
+    """A GGUF file scored from llama.cpp's own logits (``compress.llama_cpp``) on the windows that
+    ``tokenizer`` (the reference's) cuts, against ``reference``'s hidden states as ``evaluate`` does."""
+    from . import llama_cpp
+
+    data = windows_of(tokenizer, source, seqlen, windows)
+    with llama_cpp.opened(path, seqlen, threads, all_logits=True) as llm, contextlib.ExitStack() as stack:
+        logits = llama_cpp.WindowLogits(llm, data)
+        hidden, heads, scores = {"gguf": logits}, {"gguf": (lambda x: x, logits.vocab)}, {"gguf": _Score()}
+        ref = None if reference is None else streamed(reference)
+        theirs = len(tokenizer) if ref is None else _head(ref.model)[1]
+        if logits.vocab != theirs:
+            raise DataError(f"{path} scores {logits.vocab} tokens, the reference {theirs}: not the same vocabulary")
+        if ref is not None:
+            device = ref.model.get_input_embeddings().weight.device
+            hidden[_REF], heads[_REF], scores[_REF] = reference_hidden(ref, data, device), _head(ref.model), _Score()
+            stack.enter_context(_head_for_compute(ref.model, device))
+        _score(data, hidden, heads, scores)
+    protocol = f"{describe_source(source, 'test')}, {len(data)} × {seqlen} tokens, logits from llama.cpp"
+    return _results(scores, ["gguf"], protocol, len(data))["gguf"]
+
+
+def _results(scores: dict, names: list[str], protocol: str, n: int) -> dict[str, EvalResult]:
+    """Each model's ``EvalResult`` from its summed scores over ``n`` windows (``_REF``'s: the reference's)."""
+    ref_ppl = math.exp(scores[_REF].nll / scores[_REF].count) if _REF in scores else None
     out = {}
-    for name in models:
+    for name in names:
         sc = scores[name]
         ppl = math.exp(sc.nll / sc.count)
         se = _standard_error(sc.x, sc.xx, n)  # of the mean NLL: times ppl for the perplexity's
         result = EvalResult(protocol, ppl, ppl_se=None if se is None else ppl * se)
-        if reference is not None:
+        if ref_ppl is not None:
             se = _standard_error(sc.d, sc.dd, n)
             result.ref_ppl, result.kl, result.top1 = ref_ppl, sc.kl / sc.count, sc.agree / sc.count
             result.increase_se = None if se is None else ppl / ref_ppl * se

@@ -1,6 +1,9 @@
 """GGUF export: the file llama.cpp reads holds exactly the weights we evaluated, transformers
 reloads it to our logits, and what cannot be written fails before any compute."""
 
+import re
+import sys
+
 import gguf
 import pytest
 import torch
@@ -244,3 +247,24 @@ def test_k_quant_blocks_dequantize_to_our_weights(gguf_type, how):
     assert (qw.dequantized()[0, : kquant.SUPER] == 0).all()
     error = (qw.dequantized() - w).norm(dim=1) / w.norm(dim=1)
     assert error[1:].max() < {2: 0.6, 3: 0.3, 4: 0.15, 5: 0.08, 6: 0.04}[t.bits]  # every range on its own grid
+
+
+def test_compress_eval_scores_a_gguf_with_llama_cpp(folders, tmp_path, capsys, monkeypatch):
+    out, path = _export(folders["wide"], tmp_path, "q6_k")
+    protocol = ["--windows", "2", "--seqlen", "64"]
+    args = ["eval", str(path), "--reference", str(folders["wide"]), *protocol]
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # as without the [llama] extra: one line, exit 2
+    capsys.readouterr()
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert 'pip install -e ".[llama]"' in err and len(err.strip().splitlines()) == 1, err
+    monkeypatch.delitem(sys.modules, "llama_cpp")
+    pytest.importorskip("llama_cpp")
+    assert main(args) == 0
+    theirs = capsys.readouterr().out
+    assert "logits from llama.cpp" in theirs and "KL:" in theirs
+    assert main(["eval", str(out), *protocol]) == 0
+    ours = capsys.readouterr().out
+    ppl = [float(re.search(r"^perplexity: ([\d.]+)", text, re.M).group(1)) for text in (theirs, ours)]
+    # the same weights; llama.cpp rounds activations to 8 bits in its dot products: close, not equal
+    assert abs(ppl[0] / ppl[1] - 1) < 0.02, ppl
