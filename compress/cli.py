@@ -181,8 +181,10 @@ def _eval(args) -> None:
     if not distributed.is_main():  # torchrun: every rank scored its windows; rank 0 reports
         return
     print(f"model: {args.model}    reference: {reference or 'none'}")
-    bits_line = f"bitsandbytes {args.bitsandbytes}: {bits:.3f} bits per weight over {count:,} linear weights"
-    _print_result(result, bits_line if args.bitsandbytes else None)
+    bits_line = None
+    if args.bitsandbytes:
+        bits_line = f"bitsandbytes {args.bitsandbytes}: {bits:.3f} bits per weight over {count:,} linear weights"
+    _print_result(result, bits_line)
     if args.write_report:
         print(f"report: {export.add_evaluation(Path(args.model), result.as_dict())}")
 

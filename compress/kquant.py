@@ -18,6 +18,11 @@ sweep sees the values the file dequantizes to.
 Q3_K's and Q6_K's scale codes are signed (6 and 8 bits). As llama.cpp does, we store a negative
 ``d`` and negative codes, so that the largest sub-block scale uses the code -32 (-128): one level
 more than the positive side has.
+
+Q4_1 and Q5_1 (``w = d * u + m``, float16 ``d`` and ``m`` per 32 weights) are the degenerate case:
+a super-block of one group whose scale and minimum codes are 1, so ``d`` and ``-m`` are the group's
+own scale and minimum rounded up to float16. Unlike our integer zero-points (``w = (q - z) * s``),
+the minimum is then any float16 number, as llama.cpp's own Q4_1 stores it.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPER = 256  # weights per super-block (llama.cpp's QK_K)
+SUPER = 256  # weights per k-quant super-block (llama.cpp's QK_K)
 
 # Where a row is not whole super-blocks, llama.cpp writes another type (``llama-quant.cpp``)
 FALLBACK = {"q2_k": "q4_0", "q3_k": "q4_0", "q4_k": "q5_0", "q5_k": "q5_1", "q6_k": "q8_0"}
@@ -39,6 +44,7 @@ class KType:
     scale_levels: int  # a sub-block's scale is d times 1..scale_levels
     min_levels: int  # its minimum dmin times 0..min_levels; 0: symmetric, no minimum
     block_bytes: int  # bytes per super-block in the file
+    super: int = SUPER  # weights per super-block
 
     @property
     def symmetric(self) -> bool:
@@ -46,7 +52,7 @@ class KType:
 
     @property
     def bits_per_weight(self) -> float:
-        return self.block_bytes * 8 / SUPER
+        return self.block_bytes * 8 / self.super
 
 
 TYPES = {
@@ -55,6 +61,8 @@ TYPES = {
     "q4_k": KType(4, 32, 63, 63, 144),
     "q5_k": KType(5, 32, 63, 63, 176),
     "q6_k": KType(6, 16, 128, 0, 210),
+    "q4_1": KType(4, 32, 1, 1, 20, super=32),
+    "q5_1": KType(5, 32, 1, 1, 24, super=32),
 }
 
 
@@ -79,7 +87,7 @@ def super_scales(scale: torch.Tensor, minimum: torch.Tensor, ktype: KType) -> to
     """(rows, supers, 2) float16 ``(d, dmin)`` from sub-block scales and minimums (rows, groups):
     the largest of each super-block maps to the top code."""
     rows, groups = scale.shape
-    per = SUPER // ktype.group
+    per = ktype.super // ktype.group
     d = fp16_ceil(scale.float().reshape(rows, groups // per, per).amax(-1) / ktype.scale_levels)
     if ktype.symmetric:
         dmin = torch.zeros_like(d)

@@ -56,8 +56,8 @@ def folders(tmp_path_factory, smollm2):
     return found
 
 
-def _export(folder, tmp_path, gguf_type, embedding=""):
-    recipe = parse(RECIPE % (PASSES[gguf_type], gguf_type, embedding))
+def _export(folder, tmp_path, gguf_type, embedding="", passes=None):
+    recipe = parse(RECIPE % (passes or PASSES[gguf_type], gguf_type, embedding))
     out = tmp_path / f"out-{gguf_type}"
     apply(recipe, str(folder), out, evaluate_after=False)
     return out, out / f"model-{gguf_type}.gguf"
@@ -93,6 +93,13 @@ def _gguf_weights(path, config):
 def test_the_gguf_holds_the_weights_we_evaluated_bit_for_bit(kind, gguf_type, folders, tmp_path):
     types = K_TYPES.get(gguf_type, {gguf_type.upper(): 14})
     _assert_holds_the_export(*_export(folders[kind], tmp_path, gguf_type), types)
+
+
+@pytest.mark.parametrize("gguf_type", ["q4_1", "q5_1"])
+def test_q4_1_and_q5_1_hold_a_float_minimum_bit_for_bit(gguf_type, folders, tmp_path):
+    passes = f"gptq: {{format: {gguf_type}, actorder: true}}"
+    out, path = _export(folders["llama"], tmp_path, gguf_type, passes=passes)
+    _assert_holds_the_export(out, path, {gguf_type.upper(): 14})
 
 
 @pytest.mark.parametrize("gguf_type", list(K_TYPES))
@@ -171,7 +178,10 @@ def _cli(*args, cwd, capsys, monkeypatch):
     [
         (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: true}", "q4_1", ""), "q4_1 needs 4-bit asymmetric"),
         (RECIPE % ("rtn: {bits: 4, group_size: auto, symmetric: true}", "q4_0", ""), "group_size: 32"),
-        (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: true}", "iq4_nl", ""), "choose one of q4_0, q4_1, q8_0"),
+        (
+            RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: true}", "iq4_nl", ""),
+            "choose one of q4_0, q4_1, q5_1, q8_0, q2_k",
+        ),
         (RECIPE % ("rtn: {bits: 4, group_size: 32, symmetric: false}", "q4_k", ""), "set format: q4_k"),
         (RECIPE % ("gptq: {format: q4_k, symmetric: true}", "q4_k", ""), "drop symmetric"),
         ("passes:\n  - rtn: {format: q6_k}\n", "add export: {format: gguf, type: q6_k}"),
@@ -203,11 +213,12 @@ def test_compress_export_writes_a_gguf_from_an_export(folders, tmp_path, capsys,
     assert status == 2 and "--overwrite" in err
 
 
-def test_llama_cpp_reads_the_file_to_our_tokens_and_logits(folders, tmp_path):
+@pytest.mark.parametrize("kind,gguf_type", [("llama", "q4_1"), ("wide", "q4_k_m"), ("wide", "q2_k")])
+def test_llama_cpp_reads_the_file_to_our_tokens_and_logits(kind, gguf_type, folders, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     import numpy as np
 
-    out, path = _export(folders["llama"], tmp_path, "q4_1")
+    out, path = _export(folders[kind], tmp_path, gguf_type)
     ours = models.load(str(out), torch.float32)
     text = "GGUF files, for llama.cpp: 12 blocks of 32 weights!"
     ids = ours.tokenizer(text).input_ids
@@ -229,7 +240,8 @@ def test_llama_cpp_reads_the_file_to_our_tokens_and_logits(folders, tmp_path):
 @pytest.mark.parametrize("how", ["rtn", "gptq"])
 def test_k_quant_blocks_dequantize_to_our_weights(gguf_type, how):
     """Each type's bytes, as gguf-py reads them, are our weights: rows of very different ranges, a
-    super-block of zeros, and GPTQ's sweep choosing each group's scale on the super-block's grid."""
+    super-block of zeros, and GPTQ's sweep choosing each group's scale on the super-block's grid
+    (Q4_1 and Q5_1: the float minimum, no super-block)."""
     t = kquant.TYPES[gguf_type]
     scheme = QuantScheme(t.bits, t.group, t.symmetric, format=gguf_type)
     torch.manual_seed(0)
@@ -241,7 +253,7 @@ def test_k_quant_blocks_dequantize_to_our_weights(gguf_type, how):
         x = torch.randn(64, w.shape[1])
         qw = obs_sweep(w, 2 * x.T @ x, "w", scheme=scheme).quantized
     blocks = gguf_kquants.pack(qw.q, qw.scale, qw.zero_point, qw.global_scale, gguf_type)
-    assert blocks.shape == (8, 2 * t.block_bytes)
+    assert blocks.shape == (8, w.shape[1] // t.super * t.block_bytes)
     values = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, gguf_type.upper()))
     assert torch.equal(torch.from_numpy(values.copy()), qw.dequantized())
     assert (qw.dequantized()[0, : kquant.SUPER] == 0).all()

@@ -76,12 +76,12 @@ MIX_BASE = {
     "q4_k": "q4_k",
     "q5_k": "q5_k",
 }
-TYPES = ["q4_0", "q4_1", "q8_0", *MIX_BASE]  # what a recipe's export.type names
+TYPES = ["q4_0", "q4_1", "q5_1", "q8_0", *MIX_BASE]  # what a recipe's export.type names
 # transformers model_type -> llama.cpp architecture (Mistral is written as Llama, as llama.cpp does)
 ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
 PERMUTED = ("llama",)  # llama.cpp's Llama rotates q/k rows pairwise interleaved, not by halves
 # llama_ftype: MOSTLY_Q4_0, _Q4_1, _Q8_0, _Q2_K, _Q3_K_S, _M, _L, _Q4_K_S, _M, _Q5_K_S, _M, _Q6_K
-FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13}
+FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q5_1": 9, "q8_0": 7, "q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13}
 FILE_TYPES |= {"q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18, "q3_k": 11, "q4_k": 14, "q5_k": 16}
 ROLES = {"v_proj": "attn_v", "down_proj": "ffn_down", "o_proj": "attn_output"}  # the tensors mixes single out
 
@@ -90,7 +90,7 @@ def mix_type(mix: str, linear: str, layer: int, layers: int, gqa: int) -> str:
     """The k-quant llama.cpp gives the linear ``linear`` (its name in the block) of block ``layer``
     in a ``mix`` file, before any fallback (``kquant.FALLBACK``), for a dense model of ``layers``
     blocks with ``gqa`` query heads per key-value head."""
-    base, role = MIX_BASE[mix], ROLES.get(linear.rsplit(".", 1)[-1])
+    base, role = MIX_BASE.get(mix, mix), ROLES.get(linear.rsplit(".", 1)[-1])
     more = layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
     if mix == "q2_k" and role:
         return "q4_k" if role == "attn_v" and gqa >= 4 else "q3_k"
@@ -166,9 +166,12 @@ def adapt(p, gguf_type: str) -> str | None:
     if not p.compresses or not p.leaves or p.leaves - STORES:
         return "export.format gguf holds quantized and pruned linears only; drop this pass or export compressed-tensors"
     if (spec := p.rounding) is not None:
-        if gguf_type in MIX_BASE or spec.format in kquant.TYPES:
-            if spec.format != MIX_BASE.get(gguf_type):
-                return f"GGUF {gguf_type} needs the pass to round onto its grid: set format: {MIX_BASE[gguf_type]}"
+        if gguf_type in MIX_BASE or gguf_type == "q5_1" or spec.format in kquant.TYPES:
+            grid = MIX_BASE.get(gguf_type, gguf_type)
+            if spec.format != grid and grid not in kquant.TYPES:
+                return f"GGUF {gguf_type} has no grid of that name: drop format: {spec.format}"
+            if spec.format != grid:
+                return f"GGUF {gguf_type} needs the pass to round onto its grid: set format: {grid}"
             p.gguf_type = gguf_type
         elif spec.format != "int":
             return f"GGUF {gguf_type} stores integers, not {spec.format}; drop format or export compressed-tensors"
@@ -419,7 +422,7 @@ def _data(export: _Export, entry: _Entry, config: dict, arch: str) -> np.ndarray
         integers = export.integers(entry.source)
         if permute:
             integers = [_permute_rows(t, permute) for t in integers]
-        if entry.gguf_type in kquant.TYPES:
+        if export.types.get(entry.source) in kquant.TYPES:  # a grid with super-block scales (q4_1: a float minimum)
             return gguf_kquants.pack(*integers, entry.gguf_type)
         return pack_blocks(*integers, entry.gguf_type, entry.source)
     t = export.read(entry.source).float()
@@ -474,7 +477,7 @@ def write(folder: str | Path, gguf_type: str | None, out: str | Path, embedding:
             f"{folder} holds no quantized linear to write as {gguf_type} (an export of k-quants keeps its "
             "integers in its own GGUF file only: use that file)"
         )
-    if gguf_type in LEGACY:  # a k-quant mix holds what the recipe's rounding chose per layer
+    if gguf_type in LEGACY and not export.types:  # a k-quant mix holds what the recipe's rounding chose per layer
         if wrong := [e for e in entries if e.quantized and e.gguf_type != gguf_type]:
             raise GGUFError(f"{wrong[0].source}: {scheme_problem(gguf_type, *export.scheme_of(wrong[0].source))}")
     partial = out.with_name(f".{out.name}.{os.getpid()}.partial")

@@ -41,19 +41,24 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, supers: torch
     -> (rows, bytes per row) uint8 in the type's block layout."""
     ktype = kquant.TYPES[gguf_type]
     rows, cols = q.shape
-    if cols % kquant.SUPER:
-        raise ValueError(f"{gguf_type} packs rows of whole super-blocks of {kquant.SUPER}; got {cols} columns")
+    if cols % ktype.super:
+        raise ValueError(f"{gguf_type} packs rows of whole blocks of {ktype.super}; got {cols} columns")
     k, m = kquant.codes(scale, zero, supers, ktype)
-    blocks = rows * cols // kquant.SUPER
+    blocks = rows * cols // ktype.super
     k = k.numpy().reshape(blocks, -1)
     m = m.numpy().reshape(blocks, -1).astype(np.uint8)
     d, dmin = supers[..., 0].reshape(-1), supers[..., 1].reshape(-1)
     if ktype.symmetric:  # signed scale codes, as llama.cpp stores them: negative d and codes
         d, k = -d, -k
-        u = (q.to(torch.int16) + 2 ** (ktype.bits - 1)).numpy().astype(np.uint8).reshape(blocks, kquant.SUPER)
+        u = (q.to(torch.int16) + 2 ** (ktype.bits - 1)).numpy().astype(np.uint8).reshape(blocks, ktype.super)
     else:
-        u = q.numpy().astype(np.uint8).reshape(blocks, kquant.SUPER)
-    if gguf_type == "q2_k":
+        u = q.numpy().astype(np.uint8).reshape(blocks, ktype.super)
+    if gguf_type in ("q4_1", "q5_1"):  # w = d * u + m: m is minus our minimum
+        parts = [_fp16(scale.reshape(-1)), _fp16(-zero.reshape(-1))]  # its codes are 1 (and 0 or 1): d and dmin
+        if gguf_type == "q5_1":  # bit i of byte b: the fifth bit of weight 8b + i
+            parts.append(_bits((u >> 4).reshape(blocks, 4, 8).transpose(0, 2, 1), 8, 1))
+        parts.append((u[:, :16] & 0xF) | ((u[:, 16:] & 0xF) << 4))
+    elif gguf_type == "q2_k":
         scales = k.astype(np.uint8) | (m << 4)
         qs = _bits(u.reshape(blocks, 2, 4, 32).transpose(0, 2, 1, 3).reshape(blocks, 4, 64), 4, 2)
         parts = [scales, qs, _fp16(d), _fp16(dmin)]

@@ -190,7 +190,9 @@ class QuantSpec(PassOptions):
     observer: Literal["minmax", "mse"] = "minmax"
     # the grid: integers, or a float format GPU servers run (``quant``), which fixes bits and group size
     # or a GGUF k-quant (``compress/kquant.py``), which fixes bits, group size and symmetry
-    format: Literal["int", "fp8", "fp8_block", "nvfp4", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k"] = "int"
+    format: Literal[
+        "int", "fp8", "fp8_block", "nvfp4", "mxfp4", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q4_1", "q5_1"
+    ] = "int"
 
     @field_validator("group_size")
     @classmethod
@@ -292,7 +294,7 @@ def gguf_schemes(scheme: QuantScheme, mix: str | None, widths: dict, where: str,
     for name, (width, _) in widths.items():
         layer = int(re.search(r"\.(\d+)\.", name).group(1))
         chosen = gguf_file.mix_type(mix or scheme.format, name, layer, layers, gqa)
-        if width % kquant.SUPER:
+        if width % kquant.TYPES[chosen].super:
             chosen = fallen[name] = kquant.FALLBACK[chosen]
         if chosen != scheme.format:
             out[name] = _gguf_scheme(chosen, scheme.observer)
