@@ -171,7 +171,7 @@ def _check_model(run: _Run, model) -> None:
     before any compute."""
     for p in run.recipe.passes:
         p.check(model)
-    if run.gguf is not None and (problem := gguf_file.family_problem(model.config.model_type)):
+    if run.gguf is not None and (problem := gguf_file.family_problem(model.config.model_type, model.config.to_dict())):
         raise gguf_file.GGUFError(problem)
 
 

@@ -78,8 +78,9 @@ MIX_BASE = {
 }
 TYPES = ["q4_0", "q4_1", "q5_1", "q8_0", *MIX_BASE]  # what a recipe's export.type names
 # transformers model_type -> llama.cpp architecture (Mistral is written as Llama, as llama.cpp does)
-ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+ARCHES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
 PERMUTED = ("llama",)  # llama.cpp's Llama rotates q/k rows pairwise interleaved, not by halves
+NORM_PLUS_ONE = ("gemma3",)  # transformers' Gemma norms multiply by 1 + w, llama.cpp's by the weight it reads
 # llama_ftype: MOSTLY_Q4_0, _Q4_1, _Q8_0, _Q2_K, _Q3_K_S, _M, _L, _Q4_K_S, _M, _Q5_K_S, _M, _Q6_K
 FILE_TYPES = {"q4_0": 2, "q4_1": 3, "q5_1": 9, "q8_0": 7, "q2_k": 10, "q3_k_s": 11, "q3_k_m": 12, "q3_k_l": 13}
 FILE_TYPES |= {"q4_k_s": 14, "q4_k_m": 15, "q5_k_s": 16, "q5_k_m": 17, "q6_k": 18, "q3_k": 11, "q4_k": 14, "q5_k": 16}
@@ -181,9 +182,16 @@ def adapt(p, gguf_type: str) -> str | None:
     return None
 
 
-def family_problem(model_type: str | None) -> str | None:
+def family_problem(model_type: str | None, config: dict | None = None) -> str | None:
     if model_type not in ARCHES:
         return f"GGUF export knows the families {', '.join(sorted(ARCHES))}; this model is {model_type!r}"
+    layer_types = (config or {}).get("layer_types")
+    if ARCHES[model_type] == "gemma3" and layer_types:  # the file has no field for it
+        every_sixth = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(len(layer_types))]
+        if layer_types != every_sixth:
+            return (
+                "llama.cpp runs Gemma-3 with full attention in every sixth layer only; this model's layer_types differ"
+            )
     return None
 
 
@@ -326,15 +334,72 @@ def _add_hyperparameters(writer, config: dict, arch: str, gguf_type: str | None)
     if arch == "llama":
         writer.add_vocab_size(config["vocab_size"])
         writer.add_rope_dimension_count(head_dim)
+    if arch == "gemma3":  # as llama.cpp's converter: local layers' rope base and attention scale are its defaults
+        if config.get("sliding_window") and "sliding_attention" in (config.get("layer_types") or []):
+            writer.add_sliding_window(config["sliding_window"])
+        if config.get("final_logit_softcapping"):
+            writer.add_final_logit_softcapping(config["final_logit_softcapping"])
     writer.add_file_type(FILE_TYPES[gguf_type] if gguf_type else 1)  # 1: mostly F16
     writer.add_quantization_version(2)  # GGML_QNT_VERSION
 
 
+def _sentencepiece(folder: Path) -> dict | None:
+    """The tokenizer.json of a SentencePiece-style BPE (``▁`` for spaces, bytes as ``<0xNN>``: Gemma,
+    Llama-2), or None for a byte-level one."""
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        return None
+    spec = json.loads(path.read_text())
+    model = spec.get("model") or {}
+    return spec if model.get("type") == "BPE" and model.get("byte_fallback") else None
+
+
+def _add_sentencepiece(writer, folder: Path, spec: dict, vocab_size: int) -> None:
+    """A SentencePiece vocabulary as llama.cpp's ``llama`` tokenizer reads it. Its merges run by
+    score, highest first; a token's score here is minus the rank of the first merge that makes it,
+    so llama.cpp merges in the order of the tokenizer's own merge list."""
+    import gguf
+
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    first = {}
+    for rank, merge in enumerate(merges):
+        left, right = merge.split(" ", 1) if isinstance(merge, str) else merge
+        first.setdefault(left + right, rank)
+    by_id = {i: t for t, i in vocab.items()}
+    added = {a["id"]: a for a in spec.get("added_tokens", [])}
+    tokens, scores, types = [], [], []
+    for i in range(vocab_size):
+        if i in added:
+            tokens.append(added[i]["content"])
+            special = added[i]["special"]
+            types.append(gguf.TokenType.CONTROL if special else gguf.TokenType.USER_DEFINED)
+            scores.append(-1000.0)
+        elif i in by_id:
+            token = by_id[i]
+            tokens.append(token)
+            byte = len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+            types.append(gguf.TokenType.BYTE if byte else gguf.TokenType.NORMAL)
+            scores.append(0.0 if byte else -float(first.get(token, len(merges))))
+        else:
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+            scores.append(-1000.0)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_add_space_prefix(False)
+    gguf.SpecialVocab(folder, load_merges=False, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+
+
 def _add_tokenizer(writer, folder: Path, vocab_size: int) -> None:
-    """A GPT-2-style (byte-level BPE) tokenizer as llama.cpp's converter writes it."""
+    """The tokenizer as llama.cpp's converter writes it: GPT-2-style (byte-level BPE), or SentencePiece."""
     import gguf
     from transformers import AutoTokenizer
 
+    if (spec := _sentencepiece(folder)) is not None:
+        return _add_sentencepiece(writer, folder, spec, vocab_size)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     vocab = tokenizer.get_vocab()
     if max(vocab.values()) >= vocab_size:
@@ -426,6 +491,8 @@ def _data(export: _Export, entry: _Entry, config: dict, arch: str) -> np.ndarray
             return gguf_kquants.pack(*integers, entry.gguf_type)
         return pack_blocks(*integers, entry.gguf_type, entry.source)
     t = export.read(entry.source).float()
+    if arch in NORM_PLUS_ONE and entry.source.endswith("norm.weight"):
+        t = t + 1
     if permute:
         t = _permute_rows(t, permute)
     if entry.gguf_type == "q8_0":  # an embedding rounded as llama.cpp's Q8_0 would (not evaluated by us)
@@ -460,7 +527,7 @@ def write(folder: str | Path, gguf_type: str | None, out: str | Path, embedding:
     folder, out = Path(folder), Path(out)
     export = _Export(folder, types)
     config = export.config
-    if problem := family_problem(config.get("model_type")):
+    if problem := family_problem(config.get("model_type"), config):
         raise GGUFError(problem)
     if (folder / "adapter").is_dir():
         raise GGUFError(f"{folder} carries a LoRA adapter, which GGUF files do not hold; merge it (merge: true)")
@@ -469,7 +536,7 @@ def write(folder: str | Path, gguf_type: str | None, out: str | Path, embedding:
             f"{folder} holds bitsandbytes NF4/FP4 weights, which GGUF has no type for; use an integer recipe"
         )
     arch = ARCHES[config["model_type"]]
-    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
+    model_arch = getattr(gguf.MODEL_ARCH, arch.upper())
     tensor_map = gguf.get_tensor_name_map(model_arch, config["num_hidden_layers"])
     entries = _plan(export, tensor_map, embedding)
     if gguf_type is not None and not any(e.quantized for e in entries):
