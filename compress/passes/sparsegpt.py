@@ -45,6 +45,11 @@ class SparseGPT(PrunePass):
         if self.pattern.structured and o.blocksize % self.pattern.m:
             raise RecipeError(f"{self.where}.blocksize: {o.blocksize} must be a multiple of M={self.pattern.m}")
         if o.quantize is not None:
+            if o.quantize.format.startswith("q"):  # a GGUF grid: a minimum has no exact zero, mixes vary per layer
+                raise RecipeError(
+                    f"{self.where}.quantize.format: {o.quantize.format} is not rounded jointly with pruning; "
+                    "quantize in a gptq pass after this one"
+                )
             scheme = resolve_scheme(o.quantize, self.widths, f"{self.where}.quantize")
             self.scheme = replace(scheme, fp16_scales=self.fp16_scales)
             gs = self.scheme.group_size
