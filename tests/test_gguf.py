@@ -53,9 +53,12 @@ def folders(tmp_path_factory, smollm2):
         kind: tiny_folder(tmp_path_factory.mktemp(kind), smollm2.tokenizer, kind)
         for kind in ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
     }  # widths 64 and 128: no whole super-block of 256, k-quants fall back
-    found["wide"] = tiny_folder(tmp_path_factory.mktemp("wide"), smollm2.tokenizer, hidden=256)  # 256 and 512
-    config = found["gemma3_text"] / "config.json"  # llama.cpp's Gemma-3: full attention in every sixth layer
-    config.write_text(json.dumps(json.loads(config.read_text()) | {"layer_types": ["sliding_attention"] * 2}))
+    for kind in ("llama", "qwen2", "qwen3", "gemma3_text"):  # widths 256 and 512: k-quants throughout
+        found[f"wide {kind}"] = tiny_folder(tmp_path_factory.mktemp("wide"), smollm2.tokenizer, kind, hidden=256)
+    found["wide"] = found["wide llama"]
+    for kind in ("gemma3_text", "wide gemma3_text"):  # llama.cpp's Gemma-3: full attention in every sixth layer
+        config = found[kind] / "config.json"
+        config.write_text(json.dumps(json.loads(config.read_text()) | {"layer_types": ["sliding_attention"] * 2}))
     return found
 
 
@@ -138,7 +141,8 @@ def _assert_holds_the_export(out, path, types: dict[str, int]):
 
 @pytest.mark.parametrize(
     "kind,gguf_type",
-    [("llama", "q8_0"), ("qwen2", "q8_0"), ("qwen3", "q8_0"), ("gemma3_text", "q8_0"), ("wide", "q4_k")],
+    [("llama", "q8_0"), ("qwen2", "q8_0"), ("qwen3", "q8_0"), ("gemma3_text", "q8_0")]
+    + [(f"wide {kind}", "q4_k_m") for kind in ("llama", "qwen2", "qwen3", "gemma3_text")],
 )  # Mistral is written as Llama
 def test_transformers_reads_the_gguf_to_our_logits_and_tokens(kind, gguf_type, folders, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -147,7 +151,7 @@ def test_transformers_reads_the_gguf_to_our_logits_and_tokens(kind, gguf_type, f
     ours = models.load(str(out), torch.float32)
     # transformers 5 reads no head_dim for qwen3 GGUFs (it takes Qwen3's default, 128; llama.cpp
     # reads the key_length we write): the tiny model's is given here
-    extra = {"head_dim": ours.model.config.head_dim} if kind == "qwen3" else {}
+    extra = {"head_dim": ours.model.config.head_dim} if kind.endswith("qwen3") else {}
     theirs = AutoModelForCausalLM.from_pretrained(out, gguf_file=path.name, dtype=torch.float32, **extra)
     text = "GGUF files, for llama.cpp: 12 blocks of 32 weights!"
     ids = ours.tokenizer(text, return_tensors="pt").input_ids
