@@ -6,9 +6,11 @@ fallbacks, round to nearest, the token embedding as Q8_0 like our exports' ``emb
 then every GGUF in the export folders given. Columns: perplexity on our windows protocol from
 llama.cpp's logits (``compress eval FILE.gguf``: the same token windows), its increase over the
 dense model's (computed by transformers, paired over windows, ± one standard error), KL and top-1
-agreement against it, file size, bits per weight of the file (all tensors), and tokens/s of greedy
-decoding (128 new tokens after a 32-token prompt) on 1 thread and on every core. One row is
-printed as soon as it is measured. Needs ``pip install -e ".[llama]"`` (compiles llama.cpp).
+agreement against it, file size, bits per weight of the file (all tensors), tokens/s of llama.cpp's
+greedy decoding (128 new tokens after the same short prompt) on 1 thread and on every core, and
+for our exports our own engine's greedy on the same export folder, same prompt, 1 thread (it runs
+the folder's weights: dense float32 for k-quants, our integers for Q4_0). One row is printed as
+soon as it is measured. Needs ``pip install -e ".[llama]"`` (compiles llama.cpp).
 
     python scripts/bench_gguf.py out/gptq-q4_k_m out/best-q4_k_m [--types q4_k_m q3_k_m] [--windows 40] [--work DIR]
 
@@ -66,6 +68,28 @@ def decode_speed(path: Path, prompt: list[int], new_tokens: int, threads: int) -
         return new_tokens / (time.perf_counter() - start)
 
 
+def engine_speed(folder: Path, prompt: list[int], new_tokens: int) -> float:
+    """Our engine's greedy tokens/s on one thread after the prompt, on the export in ``folder``."""
+    import torch
+
+    from compress.decode import greedy
+    from compress.decode.engine import Engine
+    from compress.formats.compressed_tensors import attach_integers
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = models.load(str(folder), torch.float32).model.eval()
+        attach_integers(model, folder)  # the export's integers, for our int kernels
+        engine = Engine(model, max_len=len(prompt) + new_tokens + 8)
+        ids = torch.tensor([prompt])
+        greedy(engine, ids, 4)  # the first call chooses kernels
+        result = greedy(engine, ids, new_tokens)
+        return len(result.tokens) / (result.seconds - result.prompt_seconds)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("exports", nargs="*", help="export folders holding a model-*.gguf")
@@ -90,8 +114,8 @@ def main() -> None:
     print(f"protocol: wikitext2 test, {args.windows} × {args.seqlen} tokens; decode {args.tokens} tokens greedy")
     print()
     head = "| file | type | perplexity | increase over dense | KL | top-1 | size MB | bits/weight | tokens/s 1 thread |"
-    print(f"{head} tokens/s {cores} threads |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"{head} tokens/s {cores} threads | our engine, tokens/s 1 thread |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
 
     work = Path(args.work or tempfile.mkdtemp(prefix="bench-gguf-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -109,10 +133,11 @@ def main() -> None:
         r = evaluate_gguf(path, reference.tokenizer, "wikitext2", args.seqlen, args.windows, reference.model)
         increase = f"{r.ppl / r.ref_ppl - 1:+.2%}" + (f" ± {r.increase_se:.2%}" if r.increase_se is not None else "")
         speeds = [decode_speed(path, prompt, args.tokens, n) for n in (1, cores)]
+        engine = f"{engine_speed(path.parent, prompt, args.tokens):.1f}" if name.startswith("ours") else ""
         size = path.stat().st_size / 1e6
         print(
             f"| {name} | {kind} | {r.ppl:.3f} | {increase} | {r.kl:.4f} | {r.top1:.3f} | {size:.1f} | "
-            f"{bits_per_weight(path):.2f} | {speeds[0]:.1f} | {speeds[1]:.1f} |",
+            f"{bits_per_weight(path):.2f} | {speeds[0]:.1f} | {speeds[1]:.1f} | {engine} |",
             flush=True,
         )
 
