@@ -400,7 +400,7 @@ CASES = {
         lambda t, m: _export_of(t, m, damage=_bad_header),
         "model.safetensors",
     ),
-    "export --gguf unknown type": (lambda t, m: _export_of(t, m, "--gguf", "q3_k"), "--gguf"),
+    "export --gguf unknown type": (lambda t, m: _export_of(t, m, "--gguf", "iq2_xs"), "--gguf"),
     "export --embedding unknown": (lambda t, m: _export_of(t, m, "--embedding", "int4"), "--embedding"),
     # reports
     "report onto a user's report.md": (lambda t, m: _report_onto(t, ["report.md"]), "not written by"),
