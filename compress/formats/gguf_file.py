@@ -136,9 +136,13 @@ def type_of(scheme) -> str | None:
     """The GGUF type that holds weights of ``scheme`` exactly, or None."""
     if scheme.is_kquant:
         return scheme.format
-    if scheme.format != "int" or scheme.group_size != GROUP:
+    return _legacy_type(scheme.bits, scheme.group_size, scheme.symmetric) if scheme.format == "int" else None
+
+
+def _legacy_type(bits: int, group_size: int, symmetric: bool) -> str | None:
+    if group_size != GROUP:
         return None
-    return next((t for t, b in LEGACY.items() if (b.bits, b.symmetric) == (scheme.bits, scheme.symmetric)), None)
+    return next((t for t, b in LEGACY.items() if (b.bits, b.symmetric) == (bits, symmetric)), None)
 
 
 def only_in_gguf(scheme) -> bool:
@@ -189,9 +193,7 @@ def family_problem(model_type: str | None, config: dict | None = None) -> str | 
     if ARCHES[model_type] == "gemma3" and layer_types:  # the file has no field for it
         every_sixth = ["full_attention" if i % 6 == 5 else "sliding_attention" for i in range(len(layer_types))]
         if layer_types != every_sixth:
-            return (
-                "llama.cpp runs Gemma-3 with full attention in every sixth layer only; this model's layer_types differ"
-            )
+            return "llama.cpp runs Gemma-3 with full attention in every sixth layer; this model's layer_types differ"
     return None
 
 
@@ -273,12 +275,7 @@ class _Export:
 
     def type_of(self, name: str) -> str | None:
         """The GGUF type of a quantized linear's blocks (None: no type holds them)."""
-        if name in self.types:
-            return self.types[name]
-        bits, group, symmetric = self.scheme_of(name)
-        if group != GROUP:
-            return None
-        return next((t for t, b in LEGACY.items() if (b.bits, b.symmetric) == (bits, symmetric)), None)
+        return self.types[name] if name in self.types else _legacy_type(*self.scheme_of(name))
 
     def scheme_of(self, name: str):
         """(bits, group_size, symmetric) of a quantized linear, from the compressed-tensors config."""
