@@ -166,7 +166,7 @@ class QuantizedWeight(State, attr="quantized"):
     q: torch.Tensor  # same shape as the weight: int8 integers, or float grid values (``QuantScheme.q_dtype``)
     scale: torch.Tensor  # (out, groups), in ``scheme.scale_dtype(storage dtype)`` (what the export writes)
     zero_point: torch.Tensor  # (out, groups), int8, zeros when symmetric; a k-quant's float32 minimum
-    # nvfp4: the tensor's float32 global scale (``scale`` is fp8 / it); a k-quant: (out, in / 256, 2),
+    # nvfp4: the tensor's float32 global scale (``scale`` is fp8 / it); a k-quant: (out, super-blocks, 2),
     # each super-block's float16 (d, dmin) that its group scales and minimums are multiples of
     global_scale: torch.Tensor | None = None
 
