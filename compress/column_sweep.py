@@ -111,8 +111,6 @@ def _sweep(
         else:  # each group's scale from its weights as updated so far (the paper's default)
             scale = torch.empty(rows, cols // gs, device=W.device)
             zero = torch.empty_like(scale)
-        # a k-quant's super-block scales, one per group, for the group whose scale is chosen
-        supers = kquant.per_group(global_scale, cols // gs) if scheme.is_kquant else None
         Q = torch.empty(rows, cols, dtype=scheme.q_dtype, device=W.device)
 
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else torch.arange(cols, device=W.device)
@@ -140,8 +138,8 @@ def _sweep(
                 g = group[c]
                 if not static and c % gs == 0:
                     block = W1[:, i : i + gs].masked_fill(M1[:, i : i + gs], 0)
-                    given = global_scale if supers is None else supers[:, g : g + 1]
-                    s, z = compute_qparams(block, scheme, dtype, given)  # one group: gs columns
+                    top = kquant.per_group(global_scale, cols // gs)[:, g : g + 1] if scheme.is_kquant else global_scale
+                    s, z = compute_qparams(block, scheme, dtype, top)  # one group: gs columns, its super-block's
                     scale[:, g], zero[:, g] = s[:, 0], z[:, 0]
                 qi = grid_codes(q, scale[:, g], zero[:, g], scheme)
                 qi = torch.where(M1[:, i], zero[:, g], qi)  # pruned: the zero-point, which dequantizes to 0
