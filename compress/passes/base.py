@@ -369,7 +369,7 @@ class WeightQuantPass(LinearPass):
         self.schemes = gguf_schemes(self.scheme, self.gguf_type, self.widths, self.where, model.config)
 
     def scheme_for(self, name: str) -> QuantScheme:
-        """The scheme of the linear ``name`` (its full name): the pass's, or where that cannot go, its fallback."""
+        """The scheme of the linear ``name`` (its full name): the pass's, or the one a GGUF mix or fallback gives it."""
         return self.schemes.get(name, self.scheme)
 
     def without_data(self, block: torch.nn.Module, prefix: str) -> None:
