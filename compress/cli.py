@@ -113,6 +113,8 @@ def _eval_gguf(args) -> None:
     from .evaluate import evaluate_gguf
 
     path = Path(args.model)
+    if not path.is_file():
+        raise DataError(f"{path} is not a file; give the path of a .gguf file")
     if args.bitsandbytes or args.write_report:
         raise ExportError("--bitsandbytes and --write-report take a model folder, not a GGUF file")
     reference = args.reference
@@ -146,7 +148,7 @@ def _eval(args) -> None:
     from . import bnb, export, models
     from .evaluate import evaluate
 
-    if args.model.endswith(".gguf") and Path(args.model).is_file():
+    if args.model.endswith(".gguf"):
         return _eval_gguf(args)
     dtype = models.parse_dtype(args.dtype)
     device = models.pick_device(args.device)

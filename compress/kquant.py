@@ -11,7 +11,7 @@ dequantize in float32 as
 ``d * k`` and ``dmin * m`` are exact in float32 (11 significant bits times at most 8), so our
 ``QuantizedWeight`` holds them as its per-group ``scale`` and (for the types with a minimum) its
 float32 ``zero_point``, and the per-super-block ``(d, dmin)`` as its ``global_scale``, shape
-(rows, in / 256, 2). The super-block scales are chosen first, from the weights' ranges, and every
+(rows, super-blocks, 2). The super-block scales are chosen first, from the weights' ranges, and every
 sub-block scale is then rounded onto their grid before a weight is rounded with it, so GPTQ's
 sweep sees the values the file dequantizes to.
 
@@ -104,7 +104,7 @@ def snap(scale: torch.Tensor, minimum: torch.Tensor, ktype: KType, supers: torch
     k = torch.round(scale.float() / d).clamp(1, ktype.scale_levels)
     if ktype.symmetric:
         return d * k, torch.zeros_like(d)
-    m = torch.round(minimum.float() / dmin.clamp(min=2.0**-24)).clamp(0, ktype.min_levels)
+    m = torch.round(minimum.float() / dmin).clamp(0, ktype.min_levels)  # dmin >= 2^-24 (``fp16_ceil``)
     return d * k, dmin * m
 
 
@@ -112,7 +112,7 @@ def codes(scale: torch.Tensor, minimum: torch.Tensor, supers: torch.Tensor, ktyp
     """The sub-block codes ``(k, m)`` (rows, groups) of snapped scales and minimums: exact quotients."""
     s = per_group(supers, scale.shape[1])
     k = torch.round(scale.float() / s[..., 0])
-    m = torch.zeros_like(k) if ktype.symmetric else torch.round(minimum.float() / s[..., 1].clamp(min=2.0**-24))
+    m = torch.zeros_like(k) if ktype.symmetric else torch.round(minimum.float() / s[..., 1])
     if not (torch.equal(k * s[..., 0], scale.float()) and torch.equal(m * s[..., 1], minimum.float())):
         raise ValueError("scales are not on their super-block's grid")
     return k.to(torch.int16), m.to(torch.int16)

@@ -231,9 +231,10 @@ def stores(recipe: Recipe) -> str:
     for p in recipe.passes:
         o, rounding = p.options, p.rounding
         if rounding is not None:
-            weights = f"W{rounding.bits}" if rounding.format == "int" else f"W-{_FLOAT_NAMES.get(rounding.format)}"
             if rounding.format in kquant.TYPES:  # a mix of types: the file's name for it
                 weights = f"GGUF {recipe.export.type.upper()}"
+            else:
+                weights = f"W{rounding.bits}" if rounding.format == "int" else f"W-{_FLOAT_NAMES[rounding.format]}"
         if p.name == "qlora" and p.weight_bits:
             weights = "W-NF4"
         if p.name == "smoothquant":

@@ -37,7 +37,7 @@ def _scales_k4(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 
 def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, supers: torch.Tensor, gguf_type: str) -> np.ndarray:
-    """(rows, cols) codes with per-group ``scale``/``zero`` under ``supers`` (rows, cols / 256, 2)
+    """(rows, cols) codes with per-group ``scale``/``zero`` under ``supers`` (rows, super-blocks, 2)
     -> (rows, bytes per row) uint8 in the type's block layout."""
     ktype = kquant.TYPES[gguf_type]
     rows, cols = q.shape

@@ -11,6 +11,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 
+from .. import kquant
 from ..column_sweep import hessian_stages, obs_sweep, usable
 from ..quant import attach
 from ..sparsity import apply_mask, prune_by_magnitude, prune_mask_of
@@ -45,7 +46,7 @@ class SparseGPT(PrunePass):
         if self.pattern.structured and o.blocksize % self.pattern.m:
             raise RecipeError(f"{self.where}.blocksize: {o.blocksize} must be a multiple of M={self.pattern.m}")
         if o.quantize is not None:
-            if o.quantize.format.startswith("q"):  # a GGUF grid: a minimum has no exact zero, mixes vary per layer
+            if o.quantize.format in kquant.TYPES:  # a GGUF grid: a minimum has no exact zero, mixes vary per layer
                 raise RecipeError(
                     f"{self.where}.quantize.format: {o.quantize.format} is not rounded jointly with pruning; "
                     "quantize in a gptq pass after this one"
