@@ -8,8 +8,9 @@ llama.cpp's logits (``compress eval FILE.gguf``: the same token windows), its in
 dense model's (computed by transformers, paired over windows, ± one standard error), KL and top-1
 agreement against it, file size, bits per weight of the file (all tensors), tokens/s of llama.cpp's
 greedy decoding (128 new tokens after the same short prompt) on 1 thread and on every core, and
-for our exports our own engine's greedy on the same export folder, same prompt, 1 thread (it runs
-the folder's weights: dense float32 for k-quants, our integers for Q4_0). One row is printed as
+for our exports our own engine's greedy on the same export folder, same prompt, 1 thread (on the
+integers of the export's GGUF file, ``formats.gguf_integers``; compiled, with the lm_head whose
+largest logit is exact, ``lm_head="argmax"``: greedy's tokens). One row is printed as
 soon as it is measured. Needs ``pip install -e ".[llama]"`` (compiles llama.cpp).
 
     python scripts/bench_gguf.py out/gptq-q4_k_m out/best-q4_k_m [--types q4_k_m q3_k_m] [--windows 40] [--work DIR]
@@ -74,6 +75,7 @@ def engine_speed(folder: Path, prompt: list[int], new_tokens: int) -> float:
 
     from compress.decode import greedy
     from compress.decode.engine import Engine
+    from compress.formats import gguf_integers
     from compress.formats.compressed_tensors import attach_integers
 
     threads = torch.get_num_threads()
@@ -81,7 +83,8 @@ def engine_speed(folder: Path, prompt: list[int], new_tokens: int) -> float:
     try:
         model = models.load(str(folder), torch.float32).model.eval()
         attach_integers(model, folder)  # the export's integers, for our int kernels
-        engine = Engine(model, max_len=len(prompt) + new_tokens + 8)
+        gguf_integers.attach(model, folder)  # and those only its GGUF file holds
+        engine = Engine(model, max_len=len(prompt) + new_tokens + 8, lm_head="argmax", compile=True)
         ids = torch.tensor([prompt])
         greedy(engine, ids, 4)  # the first call chooses kernels
         result = greedy(engine, ids, new_tokens)

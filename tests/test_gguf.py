@@ -269,6 +269,10 @@ def test_k_quant_blocks_dequantize_to_our_weights(gguf_type, how):
     assert blocks.shape == (8, w.shape[1] // t.super * t.block_bytes)
     values = gguf.quants.dequantize(blocks, getattr(gguf.GGMLQuantizationType, gguf_type.upper()))
     assert torch.equal(torch.from_numpy(values.copy()), qw.dequantized())
+    q, scale, zero, supers = gguf_kquants.unpack(blocks, w.shape[1], gguf_type)  # and back, for our engine
+    assert torch.equal(q, qw.q) and torch.equal(scale, qw.scale.float()) and torch.equal(zero, qw.zero_point.float())
+    if t.super > t.group:  # (q4_1 and q5_1 keep no super-block scales)
+        assert torch.equal(supers, qw.global_scale)
     assert (qw.dequantized()[0, : kquant.SUPER] == 0).all()
     error = (qw.dequantized() - w).norm(dim=1) / w.norm(dim=1)
     assert error[1:].max() < {2: 0.6, 3: 0.3, 4: 0.15, 5: 0.08, 6: 0.04}[t.bits]  # every range on its own grid
@@ -317,3 +321,27 @@ def test_gemma3_gguf_tokenizes_as_the_model_does(tmp_path):
     finally:
         llm.close()
     assert tokens == [ours(t, add_special_tokens=False).input_ids for t in texts]
+
+
+@pytest.mark.parametrize("kind,gguf_type", [("wide", "q4_k_m"), ("llama", "q4_k_m"), ("llama", "q2_k")])
+def test_our_engine_reads_the_integers_only_the_gguf_holds(kind, gguf_type, folders, tmp_path):
+    """An export's GGUF-only linears (k-quants; Q5_0, Q8_0 and Q4_0 where rows are not whole
+    super-blocks) get their integers back from the file, exactly, and decode on them."""
+    from compress.decode import greedy, native
+    from compress.decode.engine import Engine
+    from compress.formats import gguf_integers
+    from compress.quant import quantized_of
+
+    out, _ = _export(folders[kind], tmp_path, gguf_type)
+    model = models.load(str(out), torch.float32).model
+    linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    assert not any(quantized_of(lin) for lin in linears)  # the folder holds them as dense float32
+    assert gguf_integers.attach(model, out) == 14
+    assert all(torch.equal(quantized_of(lin).dequantized(), lin.weight) for lin in linears)
+    other = models.load(str(folders[kind]), torch.float32).model  # not these weights: nothing attached
+    assert gguf_integers.attach(other, out) == 0
+    if native.available():
+        ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+        engine = Engine(model, kernel="int8g-avx2")
+        assert set(engine.formats.values()) >= {"int8g-avx2"}
+        assert greedy(engine, ids, 8).tokens == greedy(Engine(model, kernel="fp32"), ids, 8).tokens

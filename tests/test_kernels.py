@@ -9,6 +9,7 @@ from compress.decode import DecodeError, choice, greedy, kernels, native, onednn
 from compress.decode.engine import Engine
 from compress.export import export
 from compress.formats.compressed_tensors import attach_integers
+from compress.quant import QuantScheme, attach, dequantize, quantize_weight, quantized_of
 from tests.conftest import _NoTokenizer, compress_with, tiny
 
 CPU = torch.device("cpu")
@@ -309,3 +310,38 @@ def test_engine_on_native_kernels_decodes_as_on_torch_kernels():
     one_by_one = torch.cat([ours.forward(prompt[0, i : i + 1]) for i in range(20, 24)])
     ours.crop(4)
     assert torch.equal(ours.forward(prompt[0, 20:24]), one_by_one)
+
+
+@needs_native
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        QuantScheme(8, 32, True),  # Q8_0
+        QuantScheme(3, 64, False),  # our W3
+        QuantScheme(6, 16, True, format="q6_k"),  # groups of 16 under super-block scales
+        QuantScheme(4, 32, False, format="q4_k"),  # unsigned codes under a float minimum
+    ],
+)
+def test_grouped_int8_product_computes_the_dequantized_weights(scheme):
+    """``int8g-avx2`` (codes of up to 8 bits, a scale and an offset per group of 16k) is offered
+    for every integer grid and computes its weights; verify steps equal one-token steps."""
+    model = tiny("llama", hidden=256).to(torch.bfloat16)
+    for layer in model.model.layers:
+        for lin in [m for m in layer.modules() if isinstance(m, torch.nn.Linear)]:
+            attach(lin, quantize_weight(lin.weight.detach().float(), scheme, torch.bfloat16))
+    down = model.model.layers[0].mlp.down_proj
+    assert "int8g-avx2" in choice.exact_formats([down], CPU)
+    matmul = kernels.build("int8g-avx2", [down], CPU)
+    assert matmul.nbytes < down.weight.numel() * 1.6  # a byte a weight, and the groups' scales and offsets
+    qw = quantized_of(down)
+    weight = dequantize(qw.q, qw.scale.float(), qw.zero_point, torch.float32, qw.scheme)  # not rounded to bf16
+    x = torch.randn(5, down.in_features, generator=torch.Generator().manual_seed(0))
+    product = matmul(x)
+    torch.testing.assert_close(product, x @ weight.T, atol=1e-4, rtol=1e-5)
+    assert torch.equal(product, torch.cat([matmul(row) for row in x.split(1)]))
+    prompt = torch.randn(40, down.in_features, generator=torch.Generator().manual_seed(1))  # dequantized, a GEMM
+    torch.testing.assert_close(matmul(prompt), prompt @ weight.T, atol=5e-2, rtol=2e-2)
+    ids = torch.randint(0, 128, (1, 16), generator=torch.Generator().manual_seed(0))
+    engine = Engine(model, kernel="int8g-avx2")
+    assert {engine.formats[g] for g in ("qkv", "o", "gate_up", "down")} == {"int8g-avx2"}
+    assert greedy(engine, ids, 8).tokens == greedy(Engine(model, kernel="fp32"), ids, 8).tokens

@@ -27,6 +27,7 @@ from .kernels import (
     KERNELS,
     Matmul,
     build,
+    integer_grid,
     w8a8_integers,
 )
 from .loop import sync, write_json
@@ -61,6 +62,7 @@ def exact_formats(linears: list, device: torch.device) -> list[str]:
         found += ["bf16-avx2"] if "bf16" in found and linears[0].in_features % 16 == 0 else []
         found += ["int4-avx2"] if _native_int4_fits(linears) else []
         found += ["int4-a16", "int4-a8"] if _native_int4_fits(linears, a8=True) else []
+        found += ["int8g-avx2"] if _native_int8_groups_fit(linears) else []
     return found
 
 
@@ -81,11 +83,20 @@ def argmax_fits(linears: list, device: torch.device) -> bool:
 def _native_int4_fits(linears: list, a8: bool = False) -> bool:
     qws = [quantized_of(lin) for lin in linears]
     return (
-        all(qw is not None and qw.scheme.format == "int" and qw.scheme.bits == 4 for qw in qws)
+        all(integer_grid(qw, 4) and qw.scheme.bits == 4 for qw in qws)
         and len({qw.scale.shape[1] for qw in qws}) == 1
         and linears[0].in_features % 64 == 0
         and linears[0].in_features // qws[0].scale.shape[1] in (INT4_GROUPS[1:] if a8 else INT4_GROUPS)
     )
+
+
+def _native_int8_groups_fit(linears: list) -> bool:
+    """Integers of at most 8 bits on every linear, one group count, groups of 16k weights."""
+    qws = [quantized_of(lin) for lin in linears]
+    if not all(integer_grid(qw, 8) for qw in qws) or len({qw.scale.shape[1] for qw in qws}) != 1:
+        return False
+    group = linears[0].in_features // qws[0].scale.shape[1]
+    return group % 16 == 0 and group * qws[0].scale.shape[1] == linears[0].in_features
 
 
 def _int4_fits(linears: list, device: torch.device) -> bool:

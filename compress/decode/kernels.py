@@ -66,7 +66,19 @@ def w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None
     return q.to(torch.int8), scale
 
 
-FORMATS = ("fp32", "fp32-onednn", "bf16", "bf16-avx2", "int8", "int4", "int4-avx2", "int4-a16", "int4-a8", "w8a8")
+FORMATS = (
+    "fp32",
+    "fp32-onednn",
+    "bf16",
+    "bf16-avx2",
+    "int8",
+    "int4",
+    "int4-avx2",
+    "int4-a16",
+    "int4-a8",
+    "int8g-avx2",
+    "w8a8",
+)
 FLOAT_FORMATS = ("fp32", "fp32-onednn", "bf16")  # compiled, these all become the compiler's own GEMM
 VERIFY_ROWS = 16  # inputs up to this many rows are speculative verify steps (longer ones: prompts)
 ARGMAX = "int8-argmax"  # an lm_head whose largest logit is exact (``Int8Argmax``): for greedy decoding
@@ -275,24 +287,24 @@ class NativeBF16(Matmul, formats=("bf16-avx2",)):
 
 
 class NativeInt4(Matmul, formats=("int4-avx2",)):
-    """W4 groups on our AVX2 one-row product (``native``): ``w = scale·u + offset`` with ``u = q + 8``
-    and ``offset = −(8 + z)·scale``, fed fp32 rows; prompts dequantize for a library GEMM
-    (``prompt_product``: faster on a prompt than any int4 kernel we measured, docs/results.md)."""
+    """W4 groups on our AVX2 one-row product (``native``): ``w = scale·u + offset`` with ``u`` in
+    0..15 (``q + 8`` for signed codes, ``affine_codes``), fed fp32 rows; so also GGUF's Q4_0,
+    Q4_1 and Q4_K. Prompts dequantize for a library GEMM (``prompt_product``: faster on a prompt
+    than any int4 kernel we measured, docs/results.md)."""
 
     fmt, rows_alone = "int4-avx2", True
 
     @classmethod
     def from_linears(cls, fmt, linears, device, traceable):
-        return cls(*_integers(fmt, linears), _bias(linears))
+        return cls(*_affine_integers(fmt, linears, unsigned=True), _bias(linears))
 
-    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bias):
+    def __init__(self, u: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias):
         super().__init__(bias)
-        self.group_size = q.shape[1] // scale.shape[1]
-        self.packed = native.pack_int4(q.to(torch.int32) + 8)
-        self.scale = scale.float().contiguous()
-        self.offset = (-(8 + zero.float()) * self.scale).contiguous()
+        self.group_size = u.shape[1] // scale.shape[1]
+        self.packed = native.pack_int4(u.to(torch.int32))
+        self.scale, self.offset = scale.contiguous(), offset.contiguous()
         self.nbytes = self.packed.nbytes + self.scale.nbytes + self.offset.nbytes
-        self.out_features, self.in_features = q.shape
+        self.out_features, self.in_features = u.shape
 
     def matmul(self, x):
         if x.shape[0] > VERIFY_ROWS:
@@ -328,6 +340,34 @@ class NativeInt4A8(NativeInt4A16, formats=("int4-a8",)):
     (about 1% of a product's size), so used only when asked for by name."""
 
     fmt, op, rounds_rows = "int4-a8", "int4_matmul_a8", True
+
+
+class NativeInt8Groups(Matmul, formats=("int8g-avx2",)):
+    """Integers of up to 8 bits with a scale and an offset per group of 16k weights on our AVX2
+    one-row product (``native``): ``w = scale·c + offset``, one byte a weight. Every GGUF block
+    type unpacks to this (Q5_0, Q5_K, Q6_K, Q8_0, Q3_K, ...: ``formats.gguf_integers``), and so do
+    our W3/W5/W8 groups. Prompts dequantize for a library GEMM, as ``NativeInt4``."""
+
+    fmt, rows_alone = "int8g-avx2", True
+
+    @classmethod
+    def from_linears(cls, fmt, linears, device, traceable):
+        return cls(*_affine_integers(fmt, linears), _bias(linears))
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, bias):
+        super().__init__(bias)
+        self.group_size = codes.shape[1] // scale.shape[1]
+        self.codes = codes.to(torch.int8).contiguous()
+        self.scale, self.offset = scale.contiguous(), offset.contiguous()
+        self.nbytes = self.codes.nbytes + self.scale.nbytes + self.offset.nbytes
+        self.out_features, self.in_features = codes.shape
+
+    def matmul(self, x):
+        if x.shape[0] > VERIFY_ROWS:
+            groups = self.codes.float().unflatten(1, (-1, self.group_size))
+            weight = (groups * self.scale[..., None] + self.offset[..., None]).flatten(1)
+            return prompt_product(x, weight.to(torch.bfloat16) if onednn.bf16_arithmetic() else weight)
+        return torch.ops.compress.int8_matmul(x.contiguous(), self.codes, self.scale, self.offset, self.group_size)
 
 
 class Int8Argmax(Matmul, formats=(ARGMAX,)):
@@ -453,6 +493,33 @@ def _integers(fmt: str, linears: list) -> tuple[torch.Tensor, torch.Tensor, torc
         for lin in linears
     ]
     return tuple(torch.cat([getattr(qw, part) for qw in qws]) for part in ("q", "scale", "zero_point"))
+
+
+def affine_codes(qw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(c, scale, offset) of a ``QuantizedWeight`` on an integer grid: ``w = scale·c + offset`` per
+    group, ``c`` its stored integers (signed, or a k-quant's unsigned codes under a minimum)."""
+    scale = qw.scale.float()
+    if qw.scheme.subtracts_minimum:
+        return qw.q, scale, -qw.zero_point.float()
+    return qw.q, scale, -qw.zero_point.float() * scale
+
+
+def integer_grid(qw, max_bits: int) -> bool:
+    """Whether ``qw`` holds integers of at most ``max_bits`` bits (not a float grid)."""
+    return qw is not None and not qw.scheme.is_float and qw.scheme.bits <= max_bits
+
+
+def _affine_integers(fmt: str, linears: list, unsigned: bool = False):
+    """``affine_codes`` of the group fused by rows, in float32; ``unsigned``: codes 0..15, signed
+    ones shifted by 8 (``w = scale·(c + 8) + offset − 8·scale``)."""
+    parts = []
+    for lin in linears:
+        qw = quantized_of(lin) or quantize_weight(lin.weight.detach().float(), _LOSSY[fmt](lin), torch.bfloat16)
+        c, scale, offset = affine_codes(qw)
+        if unsigned and qw.scheme.qmin < 0:
+            c, offset = c.to(torch.int16) + 8, offset - 8 * scale
+        parts.append((c, scale, offset))
+    return tuple(torch.cat(part) for part in zip(*parts))
 
 
 def _bias(linears: list) -> torch.Tensor | None:

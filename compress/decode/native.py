@@ -1,5 +1,6 @@
 """Our own decode kernels for AVX2 CPUs (``native_avx2.cpp``): a bf16 and a W4 one-row product
-(and a W4A8 one, over rows rounded to int8), one-row attention, and an lm_head whose largest
+(and a W4A8 one, over rows rounded to int8), one for integers of up to 8 bits in groups (what
+every GGUF block type unpacks to), one-row attention, and an lm_head whose largest
 logit is the bf16 weight's at an int8 weight's reads (``int8_argmax_logits``), built with the
 machine's C++ compiler on first use and kept on disk.
 
@@ -32,7 +33,7 @@ from ..models import cache_dir
 
 SOURCE = Path(__file__).with_name("native_avx2.cpp")
 INT4_FORMATS = ("int4-avx2", "int4-a16", "int4-a8")  # the W4 weight formats (``kernels``) these kernels compute
-FORMATS = ("bf16-avx2", *INT4_FORMATS)
+FORMATS = ("bf16-avx2", *INT4_FORMATS, "int8g-avx2")
 
 
 def _compiler() -> str | None:
@@ -119,6 +120,10 @@ def _register_shapes() -> None:
         @torch.library.register_fake(f"compress::{op}")
         def _(x, packed, scale, offset, group):
             return x.new_empty(x.shape[0], packed.shape[0])
+
+    @torch.library.register_fake("compress::int8_matmul")
+    def _(x, codes, scale, offset, group):
+        return x.new_empty(x.shape[0], codes.shape[0])
 
     @torch.library.register_fake("compress::int8_argmax_logits")
     def _(x, codes, scale, error, weight):

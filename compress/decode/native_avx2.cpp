@@ -609,6 +609,66 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, co
   return w;
 }
 
+// Integers of up to 8 bits (int8 codes c [N, K]) with one scale and one offset per group of 16k
+// weights: w = scale * c + offset, the layout every GGUF block type unpacks to (Q5_0, Q6_K, Q8_0,
+// the k-quants) and our W3/W5/W8 groups. As w4_row: y[m, n] = sum_g scale[n, g] * dot(x[m, g],
+// c[n, g]) + offset[n, g] * sum(x[m, g]); a weight costs a sign extension, a conversion and an FMA,
+// one byte read. Two running totals, so that a group's scaling does not wait for the last one.
+inline float i8_row(const int8_t* row, const float* srow, const float* orow, int64_t K, int64_t G, int64_t group,
+                    const float* xr, const float* sums) {
+  __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  float extra = 0.f;
+  for (int64_t g = 0; g < G; ++g) extra += orow[g] * sums[g];
+  for (int64_t g = 0; g < G; ++g) {
+    const int8_t* c = row + g * group;
+    const float* xg = xr + g * group;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (int64_t k = 0; k < group; k += 16) {
+      if ((reinterpret_cast<uintptr_t>(c + k) & 63) < 16) _mm_prefetch(reinterpret_cast<const char*>(c + k) + 4096, _MM_HINT_T0);
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + k));
+      a0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), _mm256_loadu_ps(xg + k), a0);
+      a1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), _mm256_loadu_ps(xg + k + 8), a1);
+    }
+    total[g & 1] = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(srow[g]), total[g & 1]);
+  }
+  return hsum(_mm256_add_ps(total[0], total[1])) + extra;
+}
+
+at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
+                       const at::Tensor& offset, int64_t group) {
+  const int64_t N = codes.size(0), K = codes.size(1), G = K / std::max<int64_t>(group, 1);
+  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(), "codes: contiguous int8");
+  TORCH_CHECK(group > 0 && group % 16 == 0 && K % group == 0, "group size ", group, " for width ", K,
+              " (groups of 16k weights)");
+  for (const auto* t : {&scale, &offset}) {
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->size(0) == N && t->size(1) == G,
+                "scale and offset: contiguous float32 [out, groups]");
+  }
+  check_rows(x, K);
+  const int64_t M = x.size(0);
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* cp = codes.data_ptr<int8_t>();
+  const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  float* sums = scratch<float, 1>(M * G);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xp[m * K + k];
+      sums[m * G + g] = s;
+    }
+  }
+  const float* gs = sums;
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // a weight row meets every row (as bf16_matmul)
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t m = 0; m < M; ++m)
+        yp[m * N + n] = i8_row(cp + n * K, sp + n * G, op + n * G, K, G, group, xp + m * K, gs + m * G);
+    }
+  });
+  return y;
+}
+
 // Eight cache values as fp32: a bf16 value is the top half of its fp32 (a shift, exact).
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {
@@ -750,6 +810,7 @@ TORCH_LIBRARY(compress, m) {
   m.def("int4_matmul(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("int4_matmul_a8(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("int4_matmul_a16(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
+  m.def("int8_matmul(Tensor x, Tensor codes, Tensor scale, Tensor offset, int group) -> Tensor");
   m.def("int4_dequantize(Tensor packed, Tensor scale, Tensor offset, int group, bool bf16=False) -> Tensor");
   m.def("int8_argmax_logits(Tensor x, Tensor codes, Tensor scale, Tensor error, Tensor weight) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k, Tensor v, Tensor positions, int window, float scaling) -> Tensor");
@@ -760,6 +821,7 @@ TORCH_LIBRARY_IMPL(compress, CPU, m) {
   m.impl("int4_matmul", &int4_matmul);
   m.impl("int4_matmul_a8", &int4_matmul_aq<false>);
   m.impl("int4_matmul_a16", &int4_matmul_aq<true>);
+  m.impl("int8_matmul", &int8_matmul);
   m.impl("int4_dequantize", &int4_dequantize);
   m.impl("int8_argmax_logits", &int8_argmax_logits);
   m.impl("decode_attention", &decode_attention);

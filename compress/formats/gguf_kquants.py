@@ -83,3 +83,63 @@ def pack(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, supers: torch
     packed = np.concatenate(parts, axis=1)
     assert packed.shape[1] == ktype.block_bytes
     return packed.reshape(rows, -1)
+
+
+def _f16(b: np.ndarray, at: int) -> torch.Tensor:
+    """The float16 at byte ``at`` of every block, as float32 (blocks,)."""
+    return torch.from_numpy(np.ascontiguousarray(b[:, at : at + 2]).view(np.float16).astype(np.float32).reshape(-1))
+
+
+def _unbits(x: np.ndarray, lanes: int, width: int) -> np.ndarray:
+    """``_bits`` undone: (blocks, n) bytes -> (blocks, lanes, n) values."""
+    return np.stack([(x >> (j * width)) & ((1 << width) - 1) for j in range(lanes)], axis=1)
+
+
+def unpack(data: np.ndarray, cols: int, gguf_type: str) -> tuple[torch.Tensor, ...]:
+    """``pack`` undone: (rows, bytes per row) uint8 blocks -> (q, scale, zero, supers) as a
+    ``QuantizedWeight`` on the type's grid holds them (exact: every scale is a float16 times a code)."""
+    ktype = kquant.TYPES[gguf_type]
+    rows = data.shape[0]
+    blocks = rows * cols // ktype.super
+    b = np.ascontiguousarray(data).reshape(blocks, ktype.block_bytes)
+    m = np.zeros((blocks, ktype.super // ktype.group), dtype=np.int16)
+    if gguf_type in ("q4_1", "q5_1"):
+        d, dmin = _f16(b, 0), -_f16(b, 2)
+        k, m = np.ones((blocks, 1), dtype=np.int16), np.ones((blocks, 1), dtype=np.int16)
+        nibbles = b[:, -16:]
+        u = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=1)
+        if gguf_type == "q5_1":
+            u |= _unbits(b[:, 4:8], 8, 1).transpose(0, 2, 1).reshape(blocks, 32) << 4
+    elif gguf_type == "q2_k":
+        k, m = (b[:, :16] & 0xF).astype(np.int16), (b[:, :16] >> 4).astype(np.int16)
+        u = _unbits(b[:, 16:80], 4, 2).reshape(blocks, 4, 2, 32).transpose(0, 2, 1, 3).reshape(blocks, 256)
+        d, dmin = _f16(b, 80), _f16(b, 82)
+    elif gguf_type == "q3_k":
+        u = _unbits(b[:, 32:96], 4, 2).reshape(blocks, 4, 2, 32).transpose(0, 2, 1, 3).reshape(blocks, 256)
+        u |= _unbits(b[:, :32], 8, 1).reshape(blocks, 256) << 2
+        low, high = b[:, 96:104], _unbits(b[:, 104:108], 4, 2).reshape(blocks, 16)
+        code = np.concatenate([low & 0xF, low >> 4], axis=1) | (high << 4)
+        k, d, dmin = -(code.astype(np.int16) - 32), -_f16(b, 108), None  # stored negated (``pack``)
+    elif gguf_type in ("q4_k", "q5_k"):
+        low, mid, high = b[:, 4:8], b[:, 8:12], b[:, 12:16]
+        k = np.concatenate([low & 63, (high & 0xF) | ((low >> 6) << 4)], axis=1).astype(np.int16)
+        m = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=1).astype(np.int16)
+        nibbles = _unbits(b[:, -128:], 2, 4).reshape(blocks, 2, 4, 32).transpose(0, 2, 1, 3).reshape(blocks, 256)
+        u = nibbles | (_unbits(b[:, 16:48], 8, 1).reshape(blocks, 256) << 4 if gguf_type == "q5_k" else 0)
+        d, dmin = _f16(b, 0), _f16(b, 2)
+    else:  # q6_k
+        u = _unbits(b[:, :128], 2, 4).reshape(blocks, 2, 2, 64).transpose(0, 2, 1, 3).reshape(blocks, 256)
+        hi = _unbits(b[:, 128:192], 4, 2).reshape(blocks, 4, 2, 32).transpose(0, 2, 1, 3).reshape(blocks, 256)
+        u |= hi << 4
+        k, d, dmin = -b[:, 192:208].view(np.int8).astype(np.int16), -_f16(b, 208), None
+    if dmin is None:
+        dmin = torch.zeros_like(d)
+    q = torch.from_numpy(u.astype(np.int16)).reshape(rows, cols)
+    if ktype.symmetric:
+        q = q - 2 ** (ktype.bits - 1)
+    per = ktype.super // ktype.group
+    scale = (d[:, None] * torch.from_numpy(k.astype(np.float32))).reshape(rows, -1)
+    zero = (dmin[:, None] * torch.from_numpy(m.astype(np.float32))).reshape(rows, -1)
+    supers = torch.stack([d, dmin], dim=-1).reshape(rows, cols // ktype.super, 2)
+    assert scale.shape[1] == cols // ktype.super * per
+    return q.to(torch.int8), scale, zero, supers
