@@ -64,6 +64,17 @@ void check_rows(const at::Tensor& x, int64_t width) {
   TORCH_CHECK(x.size(1) == width, "rows of width ", x.size(1), " for a weight of width ", width);
 }
 
+// Each row's sum over each group of ``group`` values (rows x [M, K]), for the groups' offsets.
+void group_sums(const float* x, int64_t M, int64_t K, int64_t group, float* sums) {
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < K / group; ++g) {
+      float s = 0.f;
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += x[m * K + k];
+      sums[m * (K / group) + g] = s;
+    }
+  }
+}
+
 // The W4 products' arguments: packed codes [N, K / 8], scale and offset [N, K / group], rows of width K.
 // W4A8 takes groups of 64k only (a group may not split a block of 64 met by one activation scale).
 void check_w4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale, const at::Tensor& offset,
@@ -213,13 +224,9 @@ at::Tensor int4_matmul(const at::Tensor& x, const at::Tensor& packed, const at::
   float *sums = scratch<float, 1>(M * G), *scaled = scratch<float, 2>(M * K);
   __m256 power[8];  // 16^-j, exact
   for (int j = 0; j < 8; ++j) power[j] = _mm256_set1_ps(j == 7 ? 1.f : std::ldexp(1.f, -4 * j));
+  group_sums(xp, M, K, group, sums);
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = xp + m * K;
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xr[k];
-      sums[m * G + g] = s;
-    }
     for (int64_t k = 0; k < K; k += 8) {
       _mm256_storeu_ps(scaled + m * K + k, _mm256_mul_ps(_mm256_loadu_ps(xr + k), power[(k % 64) / 8]));
     }
@@ -652,13 +659,7 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   const float *sp = scale.data_ptr<float>(), *op = offset.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* sums = scratch<float, 1>(M * G);
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t k = g * group; k < (g + 1) * group; ++k) s += xp[m * K + k];
-      sums[m * G + g] = s;
-    }
-  }
+  group_sums(xp, M, K, group, sums);
   const float* gs = sums;
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // a weight row meets every row (as bf16_matmul)
     for (int64_t n = begin; n < end; ++n) {
