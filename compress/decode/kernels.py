@@ -346,7 +346,7 @@ class NativeInt8Groups(Matmul, formats=("int8g-avx2",)):
     """Integers of up to 8 bits with a scale and an offset per group of 16k weights on our AVX2
     one-row product (``native``): ``w = scale·c + offset``, one byte a weight. Every GGUF block
     type unpacks to this (Q5_0, Q5_K, Q6_K, Q8_0, Q3_K, ...: ``formats.gguf_integers``), and so do
-    our W3/W5/W8 groups. Prompts dequantize for a library GEMM, as ``NativeInt4``."""
+    our W3/W8 groups. Prompts dequantize for a library GEMM, as ``NativeInt4``."""
 
     fmt, rows_alone = "int8g-avx2", True
 
