@@ -198,13 +198,14 @@ def _decode(args) -> None:
     from .decode.engine import Engine
     from .decode.methods import METHODS, Settings
     from .formats.compressed_tensors import unsimulated_by_decoder
+    from .formats.gguf_integers import attach_export_integers
 
     device = _decode_device(args)
     loaded = models.load(args.model, models.parse_dtype(args.dtype))
     model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
     prompt = _prompt_ids(args, tokenizer).to(device)
     if Path(args.model).is_dir():
-        _attach_integers(model, args.model)
+        attach_export_integers(model, args.model)  # for the integer kernels
         if parts := unsimulated_by_decoder(args.model):
             why = "no kernel here reads float grids yet; `compress eval` scores them as served"
             print(f"[decode: {', '.join(parts)}: {why}]", file=sys.stderr)
@@ -352,20 +353,11 @@ def _refuse_another_vocabulary(what: str, other, name: str, loaded) -> None:
         )
 
 
-def _attach_integers(model, folder: str) -> None:
-    """The export's integers, for the decoder's integer kernels: its compressed-tensors linears',
-    then those only its GGUF file holds (k-quants, Q5_0, ...)."""
-    from .formats import gguf_integers
-    from .formats.compressed_tensors import attach_integers
-
-    attach_integers(model, folder)
-    gguf_integers.attach(model, folder)
-
-
 def _draft(args, model, tokenizer, device, engine, sampling):
     """``--draft``: the target rounded to 4 bits in memory (``self-w4``), another model sharing its
     vocabulary, or None."""
     from . import decode, models
+    from .formats.gguf_integers import attach_export_integers
 
     if args.draft == "self-w4":
         return decode.DraftModel(engine(model, quantize="w4", kivi=False), args.threshold, sampling)
@@ -375,7 +367,7 @@ def _draft(args, model, tokenizer, device, engine, sampling):
     _refuse_another_vocabulary(f"--draft {args.draft}", other, args.model, models.Loaded(model, tokenizer))
     draft_model = models.for_compute(other.model, device)
     if Path(args.draft).is_dir():
-        _attach_integers(draft_model, args.draft)
+        attach_export_integers(draft_model, args.draft)
     return decode.DraftModel(engine(draft_model, kivi=False), args.threshold, sampling)
 
 

@@ -75,15 +75,13 @@ def engine_speed(folder: Path, prompt: list[int], new_tokens: int) -> float:
 
     from compress.decode import greedy
     from compress.decode.engine import Engine
-    from compress.formats import gguf_integers
-    from compress.formats.compressed_tensors import attach_integers
+    from compress.formats.gguf_integers import attach_export_integers
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         model = models.load(str(folder), torch.float32).model.eval()
-        attach_integers(model, folder)  # the export's integers, for our int kernels
-        gguf_integers.attach(model, folder)  # and those only its GGUF file holds
+        attach_export_integers(model, folder)  # for our integer kernels
         engine = Engine(model, max_len=len(prompt) + new_tokens + 8, lm_head="argmax", compile=True)
         ids = torch.tensor([prompt])
         greedy(engine, ids, 4)  # the first call chooses kernels

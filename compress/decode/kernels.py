@@ -488,11 +488,14 @@ def _weight(linear) -> torch.Tensor:
 def _integers(fmt: str, linears: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, scale, zero) of the group fused by rows: the integers recorded on each linear, or, for a
     lossy format asked for, its weights rounded to nearest as ``fmt`` holds them."""
-    qws = [
-        quantized_of(lin) or quantize_weight(lin.weight.detach().float(), _LOSSY[fmt](lin), torch.bfloat16)
-        for lin in linears
-    ]
+    qws = [_quantized(fmt, lin) for lin in linears]
     return tuple(torch.cat([getattr(qw, part) for qw in qws]) for part in ("q", "scale", "zero_point"))
+
+
+def _quantized(fmt: str, linear):
+    """The integers recorded on ``linear``, or, for a lossy format asked for, its weight rounded to
+    nearest as ``fmt`` holds it."""
+    return quantized_of(linear) or quantize_weight(linear.weight.detach().float(), _LOSSY[fmt](linear), torch.bfloat16)
 
 
 def affine_codes(qw) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -514,7 +517,7 @@ def _affine_integers(fmt: str, linears: list, unsigned: bool = False):
     ones shifted by 8 (``w = scale·(c + 8) + offset − 8·scale``)."""
     parts = []
     for lin in linears:
-        qw = quantized_of(lin) or quantize_weight(lin.weight.detach().float(), _LOSSY[fmt](lin), torch.bfloat16)
+        qw = _quantized(fmt, lin)
         c, scale, offset = affine_codes(qw)
         if unsigned and qw.scheme.qmin < 0:
             c, offset = c.to(torch.int16) + 8, offset - 8 * scale

@@ -618,10 +618,10 @@ at::Tensor int4_dequantize(const at::Tensor& packed, const at::Tensor& scale, co
 
 // Integers of up to 8 bits (int8 codes c [N, K]) with one scale and one offset per group of 16k
 // weights: w = scale * c + offset, the layout every GGUF block type unpacks to (Q5_0, Q6_K, Q8_0,
-// the k-quants) and our W3/W5/W8 groups. As w4_row: y[m, n] = sum_g scale[n, g] * dot(x[m, g],
+// the k-quants) and our W3/W8 groups. As w4_row: y[m, n] = sum_g scale[n, g] * dot(x[m, g],
 // c[n, g]) + offset[n, g] * sum(x[m, g]); a weight costs a sign extension, a conversion and an FMA,
 // one byte read. Two running totals, so that a group's scaling does not wait for the last one.
-inline float i8_row(const int8_t* row, const float* srow, const float* orow, int64_t K, int64_t G, int64_t group,
+inline float i8_row(const int8_t* row, const float* srow, const float* orow, int64_t G, int64_t group,
                     const float* xr, const float* sums) {
   __m256 total[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   float extra = 0.f;
@@ -664,7 +664,7 @@ at::Tensor int8_matmul(const at::Tensor& x, const at::Tensor& codes, const at::T
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {  // a weight row meets every row (as bf16_matmul)
     for (int64_t n = begin; n < end; ++n) {
       for (int64_t m = 0; m < M; ++m)
-        yp[m * N + n] = i8_row(cp + n * K, sp + n * G, op + n * G, K, G, group, xp + m * K, gs + m * G);
+        yp[m * N + n] = i8_row(cp + n * K, sp + n * G, op + n * G, G, group, xp + m * K, gs + m * G);
     }
   });
   return y;

@@ -236,6 +236,11 @@ def _permute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
+def unpermute_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``_permute_rows`` undone."""
+    return t.reshape(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
 # --- reading an export ----------------------------------------------------------------------
 
 

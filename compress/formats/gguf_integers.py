@@ -18,7 +18,7 @@ import torch
 from .. import kquant
 from ..quant import QuantizedWeight, QuantScheme, quantized_of
 from . import gguf_kquants
-from .gguf_file import ARCHES, GROUP, LEGACY, PERMUTED
+from .gguf_file import ARCHES, GROUP, LEGACY, PERMUTED, unpermute_rows
 
 SYMMETRIC = {t: b.bits for t, b in LEGACY.items() if b.symmetric}  # q4_0, q5_0, q8_0: w = d * q
 
@@ -52,9 +52,13 @@ def quantized_weight(data: np.ndarray, cols: int, gguf_type: str) -> QuantizedWe
     return QuantizedWeight(scheme, q, scale, zero.to(scheme.zero_dtype), supers)
 
 
-def _unpermute(t: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's q/k row permutation (``gguf_file``) undone."""
-    return t.reshape(heads, t.shape[0] // heads // 2, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+def attach_export_integers(model: torch.nn.Module, folder: str | Path) -> None:
+    """All of an export's integers, for the decoder's integer kernels: its compressed-tensors
+    linears', then those only its GGUF file holds (k-quants, Q5_0, ...)."""
+    from .compressed_tensors import attach_integers
+
+    attach_integers(model, folder)
+    attach(model, folder)
 
 
 def attach(model: torch.nn.Module, folder: str | Path) -> int:
@@ -80,8 +84,8 @@ def attach(model: torch.nn.Module, folder: str | Path) -> int:
         qw = quantized_weight(np.asarray(found.data), linear.in_features, kind)
         if arch in PERMUTED and found.name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in found.name else config.num_key_value_heads
-            parts = [_unpermute(t, heads) for t in (qw.q, qw.scale, qw.zero_point)]
-            supers = qw.global_scale if qw.global_scale is None else _unpermute(qw.global_scale, heads)
+            parts = [unpermute_rows(t, heads) for t in (qw.q, qw.scale, qw.zero_point)]
+            supers = qw.global_scale if qw.global_scale is None else unpermute_rows(qw.global_scale, heads)
             qw = QuantizedWeight(qw.scheme, *parts, supers)
         if torch.equal(qw.dequantized().to(linear.weight.dtype), linear.weight.detach()):
             qw.attach(linear)
