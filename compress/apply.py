@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import data, distributed, export, kv_quant, machine, memory, models, resume
+from . import allocate, data, distributed, export, kv_quant, machine, memory, models, resume
 from .data import activation_store
 from .evaluate import evaluate, windows_of
 from .formats import gguf_file
@@ -45,6 +45,7 @@ class Report:
     peak_rss_gb: float  # the whole run, evaluation included
     training: dict = field(default_factory=dict)  # recovery passes: loss of the first and last tenth of the steps
     eval: dict = field(default_factory=dict)
+    allocation: dict | None = None  # ``allocate``: the scheme of each linear, its budget and predicted cost
 
     def as_dict(self):
         return asdict(self)
@@ -64,6 +65,7 @@ class _Run:
     max_shard_bytes: int
     gguf: object | None  # the recipe's GGUF export, or None
     device: torch.device
+    planner: allocate.Planner | None = None  # the recipe's ``allocate``, once the passes know the model
     main: bool = field(default_factory=distributed.is_main)  # rank 0 writes the export
 
     @property
@@ -91,6 +93,7 @@ def apply(
     resume_run: bool = False,
     keep_blocks: bool = True,
     calibration_dtype: str | None = None,
+    target_bpw: float | None = None,
 ) -> Report | None:
     """Read the model a block at a time, compress each block and write it to the export at once,
     then evaluate the export against the original, again a block at a time. ``spill``: a folder
@@ -99,11 +102,14 @@ def apply(
     ``keep_blocks=False``); ``resume_run`` reads them back after a killed run instead of
     compressing them again. ``dtype`` (the storage dtype) defaults to bfloat16, and to float32 for
     a recipe that exports GGUF, whose weights must be the very numbers llama.cpp computes with.
-    ``calibration_dtype`` overrides the recipe's ``calibration.dtype`` (what the blocks compute in).
+    ``calibration_dtype`` overrides the recipe's ``calibration.dtype`` (what the blocks compute in);
+    ``target_bpw`` sets (or adds) the recipe's ``allocate.target_bpw``.
 
     Under torchrun every rank calls this: each calibrates and evaluates on its share of the
     samples and windows (``compress/distributed.py``), rank 0 alone writes the export and returns
     the report; the other ranks return None."""
+    if target_bpw is not None:
+        recipe = recipe.with_budget(target_bpw)
     run = _settings(recipe, model_source, output, device, dtype, seed, overwrite, max_shard_mb)
     with export.output_lock(run.out) if run.main else contextlib.nullcontext():
         return _apply(
@@ -136,6 +142,7 @@ def _apply(
 
     start = time.perf_counter()
     ids, calib_what = _calibration(run, model.model, tokenizer, n_samples)
+    allocation = run.planner.run(model, ids, run.device) if run.planner is not None else None
     writer = export.Export(run.out, run.overwrite, run.max_shard_bytes, run.protected) if run.main else None
     try:  # everything, the report included, goes to the writer's temporary folder; renamed at the end
         if eval_data is not None and not distributed.everyone(Path(_shared(writer)).is_dir()):
@@ -150,6 +157,7 @@ def _apply(
             return None
         writer.add(model.model, skip=model.prefix.rstrip("."))
         report = _finish(run, writer, model.model, tokenizer, calib_what, time.perf_counter() - start, eval_data)
+        report.allocation = allocation.as_dict() if allocation is not None else None
         del model, loaded
         if eval_data is not None:
             report.eval = _evaluate(run, _shared(writer.tmp), tokenizer, eval_data).as_dict()
@@ -171,6 +179,8 @@ def _check_model(run: _Run, model) -> None:
     before any compute."""
     for p in run.recipe.passes:
         p.check(model)
+    if run.recipe.allocate is not None:
+        run.planner = allocate.Planner(run.recipe.allocate, run.recipe.passes, run.torch_dtype)
     if run.gguf is not None and (problem := gguf_file.family_problem(model.config.model_type, model.config.to_dict())):
         raise gguf_file.GGUFError(problem)
 
@@ -279,6 +289,7 @@ def _checkpoints(run: _Run, samples: int, calibration_dtype: str, keep_blocks: b
         "dtype": run.dtype,
         "device": run.device.type,
         "calibration_dtype": calibration_dtype,
+        "allocate": recipe.allocate.model_dump() if recipe.allocate is not None else None,  # --target-bpw
     }
     return resume.BlockCheckpoints(run.out, key, resume_run)
 
@@ -289,6 +300,8 @@ def _finish(run: _Run, writer, model, tokenizer, calib_what: str, compress_s: fl
     bpw, sparsity, kept = totals.bits_per_weight(), totals.sparsity(), totals.params_kept()
     kv = kv_quant.bytes_per_token(model)
     method = " + ".join(p.summary() for p in recipe.passes)
+    if recipe.allocate is not None:
+        method += f", allocated to {recipe.allocate.target_bpw} bits per weight"
     manifest = {
         "recipe": recipe.name,
         "base_model": run.source,

@@ -45,6 +45,17 @@ def _number(low: float, high: float = math.inf, low_open: bool = False, auto: bo
     return parse
 
 
+def _bits(text: str) -> float:
+    """An argparse type: a positive, finite number of bits per weight."""
+    try:
+        bits = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < bits < float("inf"):
+        raise argparse.ArgumentTypeError(f"give a positive number of bits per weight; got {text}")
+    return bits
+
+
 def _path(text: str) -> str:
     """An argparse type: a path, not an empty string (which would fall back to a default unseen)."""
     if not text.strip():
@@ -117,6 +128,13 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         choices=["auto", "float32", "bfloat16"],
         help="what the blocks compute in while calibrating (overrides the recipe; auto: float32 on a CPU, "
         "the model's dtype on a GPU; bfloat16 about halves a sweep on a CPU with AVX512-BF16 or AMX)",
+    )
+    p.add_argument(
+        "--target-bpw",
+        type=_bits,
+        metavar="BITS",
+        help="give each quantized linear the scheme it can bear so that the model's bits per weight (scales "
+        "included) is at most BITS (sets the recipe's allocate.target_bpw; see docs/methods.md)",
     )
     common(p, None, "bfloat16 (default; float32 for a recipe that exports GGUF), float16 or float32")
     p.set_defaults(func=commands["apply"])

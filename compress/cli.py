@@ -70,6 +70,7 @@ def _apply(args) -> None:
         resume_run=args.resume,
         keep_blocks=not args.no_checkpoints,
         calibration_dtype=args.calibration_dtype,
+        target_bpw=args.target_bpw,
     )
     if report is None:  # a rank other than 0 of a torchrun run: rank 0 reports
         return

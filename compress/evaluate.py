@@ -65,7 +65,7 @@ def windows_of(tokenizer, source: str, seqlen: int, windows: int) -> torch.Tenso
     return ids[: windows * seqlen].reshape(windows, seqlen)
 
 
-def _head(model):
+def output_logits(model):
     """The output head as a function of hidden states (Gemma's final logit soft-capping and
     Granite's logit scaling included)."""
     head = model.get_output_embeddings()
@@ -165,7 +165,7 @@ def _score(
 
 
 @contextlib.contextmanager
-def _head_for_compute(model, device: torch.device):
+def head_on_device(model, device: torch.device):
     """The head (and what it is tied to) on ``device`` in the compute dtype while scoring."""
     head = model.get_output_embeddings()
     p = head.weight
@@ -218,10 +218,10 @@ def evaluate_many(
         else final_hidden(m, data, device, progress, f"evaluating {name}")
         for name, m in everyone.items()
     }
-    heads = {name: _head(m.model) for name, m in everyone.items()}
+    heads = {name: output_logits(m.model) for name, m in everyone.items()}
     with contextlib.ExitStack() as stack:
         for m in everyone.values():
-            stack.enter_context(_head_for_compute(m.model, device))
+            stack.enter_context(head_on_device(m.model, device))
         _score(data, hidden, heads, scores, progress)
     n = int(distributed.total(float(len(data)))[0])
     for sc in scores.values():  # sums over every rank's windows
@@ -242,13 +242,14 @@ def evaluate_gguf(
         logits = llama_cpp.WindowLogits(llm, data)
         hidden, heads, scores = {"gguf": logits}, {"gguf": (lambda x: x, logits.vocab)}, {"gguf": _Score()}
         ref = None if reference is None else streamed(reference)
-        theirs = len(tokenizer) if ref is None else _head(ref.model)[1]
+        theirs = len(tokenizer) if ref is None else output_logits(ref.model)[1]
         if logits.vocab != theirs:
             raise DataError(f"{path} scores {logits.vocab} tokens, the reference {theirs}: not the same vocabulary")
         if ref is not None:
             device = ref.model.get_input_embeddings().weight.device
-            hidden[_REF], heads[_REF], scores[_REF] = reference_hidden(ref, data, device), _head(ref.model), _Score()
-            stack.enter_context(_head_for_compute(ref.model, device))
+            hidden[_REF], heads[_REF] = reference_hidden(ref, data, device), output_logits(ref.model)
+            scores[_REF] = _Score()
+            stack.enter_context(head_on_device(ref.model, device))
         _score(data, hidden, heads, scores)
     protocol = f"{describe_source(source, 'test')}, {len(data)} × {seqlen} tokens, logits from llama.cpp"
     return _results(scores, ["gguf"], protocol, len(data))["gguf"]

@@ -279,9 +279,9 @@ def _tokenizer(where, trust_remote_code: bool, local_only: bool):
 def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = False, local_only: bool = True):
     """The model alone, whole, in eval mode (for decoding). Factored exports, exports with a LoRA
     adapter, bitsandbytes 4-bit exports, exports with an FP8 KV cache (which transformers 5.24
-    runs unrounded, docs/formats.md) or float-quantized inputs are read as ``lazy`` reads them; the
-    rest through transformers, so that W8A8 linears carry compressed-tensors' attributes, which the
-    int8 decode kernels read."""
+    runs unrounded, docs/formats.md), float-quantized inputs or several weight schemes are read as
+    ``lazy`` reads them; the rest through transformers, so that W8A8 linears carry compressed-tensors'
+    attributes, which the int8 decode kernels read."""
     from transformers import AutoModelForCausalLM
 
     if isinstance(where, Path):
@@ -291,6 +291,7 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
             or config.get("quantization_config", {}).get("quant_method") == "bitsandbytes"
             or config.get("quantization_config", {}).get("kv_cache_scheme")
             or _rounds_float_inputs(config.get("quantization_config", {}))
+            or _mixed_weights(config.get("quantization_config", {}))
             or (where / "adapter" / "adapter_config.json").exists()
         ):
             return lazy.open_model(where, dtype, trust_remote_code).load_all()
@@ -331,6 +332,13 @@ def _rounds_float_inputs(qconfig: dict) -> bool:
     return qconfig.get("format") != "int-quantized" and any(
         group.get("input_activations") for group in qconfig.get("config_groups", {}).values()
     )
+
+
+def _mixed_weights(qconfig: dict) -> bool:
+    """Weight-only groups of several schemes (``allocate``): transformers' dequantizing load
+    (``CompressedTensorsConfig(dequantize=True)``, transformers 5 with compressed-tensors 0.20) unpacks
+    every group but the first wrongly, though its plain load computes our logits."""
+    return qconfig.get("format") != "int-quantized" and len(qconfig.get("config_groups", {})) > 1
 
 
 def _refuse_an_incomplete_checkpoint(where, info: dict, config) -> None:

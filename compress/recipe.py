@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from . import kquant
+from . import allocate, kquant
 from .formats import gguf_file
 from .models import DEFAULT_MODEL
 from .passes import REGISTRY, LayerPass, ModelPass, RecipeError
@@ -66,6 +66,24 @@ class Export(_Strict):
         return self
 
 
+class Allocate(_Strict):
+    """Each quantized linear's scheme chosen to a bits-per-weight budget (``compress.allocate``)."""
+
+    target_bpw: float = Field(gt=0)  # the whole model's, scales and zero-points counted as stored
+    candidates: list[str] = Field(default_factory=lambda: list(allocate.DEFAULT_CANDIDATES), min_length=1)
+    measure: Literal["fisher"] = "fisher"  # the predicted loss increase (compress/allocate.py)
+    samples: int = Field(16, gt=0)  # calibration samples the costs are measured on
+
+    @field_validator("candidates")
+    @classmethod
+    def _candidates(cls, value):
+        for text in value:
+            allocate.parse_candidate(text)
+        if len(set(value)) != len(value):
+            raise ValueError("a candidate is listed twice")
+        return value
+
+
 class _RecipeFields(_Strict):
     description: str = ""
     model: str = DEFAULT_MODEL
@@ -74,6 +92,7 @@ class _RecipeFields(_Strict):
     passes: list = Field(min_length=1)
     export: Export = Export()
     evaluation: Evaluation = Evaluation()
+    allocate: Allocate | None = None
 
 
 class Recipe:
@@ -89,7 +108,19 @@ class Recipe:
 
     @property
     def needs_data(self) -> bool:
-        return any(p.needs_data for p in self.passes)
+        return any(p.needs_data for p in self.passes) or self.fields.allocate is not None
+
+    def with_budget(self, target_bpw: float) -> Recipe:
+        """This recipe with ``allocate.target_bpw`` set (``apply --target-bpw``): the recipe's own
+        candidates, or the defaults."""
+        if not target_bpw > 0:
+            raise RecipeError(f"--target-bpw must be a positive number of bits per weight; got {target_bpw}")
+        spec = (self.fields.allocate or Allocate(target_bpw=target_bpw)).model_copy(update={"target_bpw": target_bpw})
+        fields = self.fields.model_copy(update={"allocate": spec})
+        _check_allocate(fields, self.passes)
+        recipe = Recipe(fields, self.passes, self.text, self.name)
+        recipe.source = self.source
+        return recipe
 
 
 def _format(err: ValidationError, prefix: str = "") -> str:
@@ -167,12 +198,25 @@ def parse(text: str, name: str = "recipe") -> Recipe:
     for i, p in enumerate(passes):
         if problem := p.order_problem(passes[:i], passes[i + 1 :]) or _after_rounding(p, passes[:i]):
             raise RecipeError(f"{p.where}: {problem}")
+    _check_allocate(fields, passes)
     if fields.export.format == "gguf":
         _check_gguf(passes, fields.export.type)
     elif kquants := [p for p in passes if p.rounding is not None and p.rounding.format in kquant.TYPES]:
         k = kquants[0].rounding.format
         raise RecipeError(f"{kquants[0].where}.format: {k} is a GGUF type; add export: {{format: gguf, type: {k}}}")
     return Recipe(fields, passes, text, name)
+
+
+def _check_allocate(fields: _RecipeFields, passes: list[LayerPass]) -> None:
+    if fields.allocate is None:
+        return
+    if fields.export.format != "compressed-tensors":
+        raise RecipeError(
+            "allocate: chooses integer schemes for the compressed-tensors export; drop export: {format: gguf} "
+            "(a GGUF type's own mix is set by export.type)"
+        )
+    if not any(p.rounds for p in passes):
+        raise RecipeError("allocate: no pass of this recipe rounds weights to integers; add one (e.g. gptq)")
 
 
 def _after_rounding(p: LayerPass, before: list[LayerPass]) -> str | None:

@@ -105,6 +105,21 @@ def export_and_reload(model, recipe, folder, dtype=None):
     return reloaded
 
 
+def reloads_to_our_logits(model, folder, reloaded):
+    """Our reader and transformers compute ``model``'s logits from the export, in float32 as `compress
+    eval` computes (in bfloat16 compressed-tensors would divide by the scales in bfloat16)."""
+    from compress import lazy, models
+
+    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    streamed = lazy.open_model(folder, torch.float32).load_all()
+    whole = models.load_model(folder, torch.float32)  # what decode and bench_recipes score
+    with torch.no_grad():
+        ours = model.float()(probe).logits
+        transformers = torch.nn.Module.float(reloaded)  # it refuses .float() on a quantized model
+        for other in (streamed, whole, transformers):
+            torch.testing.assert_close(other(probe).logits, ours, rtol=0, atol=0)
+
+
 def pytest_collection_modifyitems(config, items):
     """A test that takes the real SmolLM2 through a fixture is ``slow`` (``-m "not slow"``: the fast lane)."""
     for item in items:

@@ -10,7 +10,7 @@ from compress.column_sweep import obs_sweep
 from compress.passes import RecipeError
 from compress.quant import FP4_VALUES, QuantScheme, quantize_weight, quantized_of
 from compress.recipe import parse
-from tests.conftest import compress_with, export_and_reload, tiny
+from tests.conftest import compress_with, export_and_reload, reloads_to_our_logits, tiny
 
 SCHEMES = {
     "fp8": QuantScheme(8, -1, True, format="fp8"),
@@ -32,21 +32,6 @@ def _bf16(model):
         p.data = p.data.to(torch.bfloat16)
     model.config.dtype = torch.bfloat16
     return model
-
-
-def _reloads_to_our_logits(model, folder, reloaded):
-    """Our reader and transformers compute ``model``'s logits from the export, in float32 as `compress
-    eval` computes (in bfloat16 compressed-tensors would divide by the scales in bfloat16)."""
-    from compress import lazy, models
-
-    probe = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
-    streamed = lazy.open_model(folder, torch.float32).load_all()
-    whole = models.load_model(folder, torch.float32)  # what decode and bench_recipes score
-    with torch.no_grad():
-        ours = model.float()(probe).logits
-        transformers = torch.nn.Module.float(reloaded)  # it refuses .float() on a quantized model
-        for other in (streamed, whole, transformers):
-            torch.testing.assert_close(other(probe).logits, ours, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fmt", SCHEMES)
@@ -195,7 +180,7 @@ def test_quantized_activations_export_as_the_preset_and_reload_to_our_logits(pas
     (group,) = config["config_groups"].values()
     theirs = PRESET_SCHEMES[preset]["input_activations"].model_dump(mode="json", exclude={"observer"})
     assert {k: group["input_activations"].get(k) for k in theirs} == theirs
-    _reloads_to_our_logits(model, tmp_path / "out", reloaded)
+    reloads_to_our_logits(model, tmp_path / "out", reloaded)
     if calibrated is not None:
         name = "input_global_scale" if preset == "NVFP4" else "input_scale"
         stored = getattr(reloaded.model.layers[0].self_attn.q_proj, name).data
@@ -279,7 +264,7 @@ def test_fp8_block_holds_one_scale_per_tile_and_exports_as_the_preset(tmp_path):
     for part in ("weights", "input_activations"):
         theirs = PRESET_SCHEMES["FP8_BLOCK"][part].model_dump(mode="json")
         assert {k: group[part].get(k) for k in theirs} == theirs, part
-    _reloads_to_our_logits(model, tmp_path / "out", reloaded)
+    reloads_to_our_logits(model, tmp_path / "out", reloaded)
 
 
 def test_fp8_block_refuses_a_linear_the_tiles_do_not_fit():

@@ -179,7 +179,10 @@ class AWQ(WeightQuantPass):
                 return out[0] if isinstance(out, tuple) else out
 
             stat = inputs[names[0]]
-            s = search_scale(stat, [targets[n] for n in names], forward, self.scheme_for(prefix + names[0]), o.grid)
+            # linears of one input may round differently (a GGUF mix, ``allocate``): the scale is searched
+            # for the coarsest of them, whose error it matters most for
+            scheme = min((self.scheme_for(prefix + n) for n in names), key=lambda sc: sc.bits)
+            s = search_scale(stat, [targets[n] for n in names], forward, scheme, o.grid)
             fold(block, m, s, self.arch.norm_plus_one)
             stat.rescale(s)  # the clip search sees the scaled block's inputs
         for name, lin in targets.items():

@@ -1,0 +1,381 @@
+"""Bits where they matter: each quantized linear gets the scheme it can bear, under a bits-per-weight budget.
+
+A recipe's ``allocate: {target_bpw: 3.5}`` (or ``apply --target-bpw 3.5``) gives every linear that its
+quantizing passes round one of the ``candidates`` (integer schemes ``w<bits>g<group>``, or ``w<bits>``
+for one scale per channel; symmetry and observer are the passes'), so that the whole model's bits per
+weight, scales and zero-points counted as the export stores them, is at most the budget and the
+predicted loss is smallest.
+
+Cost (``measure: fisher``): the increase of the calibration loss that a second-order expansion
+predicts when linear ``l`` alone is rounded to candidate ``c``, with the Fisher information of the
+linear's outputs (squared gradients, averaged over tokens, per output channel) standing in for the
+Hessian of the loss:
+
+    cost(l, c) = ½ Σ_o F_o · ΔW_o H ΔW_oᵀ,   ΔW = RTN_c(W) − W,   H = mean_t x_t x_tᵀ
+
+in nats per calibration token. Unlike a block's output error, it weighs every layer in the same
+unit (the model's loss), so layers are comparable; unlike measuring the model's KL with each layer
+rounded in turn (layers × candidates forwards), it costs one streamed forward and backward over
+a few calibration samples plus one quadratic form per layer and candidate. ΔW is round to
+nearest: GPTQ lowers every candidate's error, but the ranking between layers is what counts.
+
+Choice: an exact multiple-choice knapsack by dynamic programming over the layers' sizes in bits
+(their greatest common divisor as the unit; sizes rounded up to a coarser unit when the budget
+would exceed ``MAX_UNITS`` of them, which can only leave the result under the budget).
+
+The measured costs are kept in ``$COMPRESS_CACHE/allocation/`` under the model's files, the
+calibration tokens, the candidates and this code, so a second run (another budget, ``--resume``)
+reads them instead of measuring again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from . import distributed
+from .arch import arch_of
+from .evaluate import head_on_device, output_logits
+from .lazy import StreamedModel, streamed
+from .models import cache_dir, cast_params, compute_dtype
+from .passes import RecipeError, WeightQuantPass
+from .pipeline import capture_inputs
+from .quant import QuantScheme, quantize_weight
+
+DEFAULT_CANDIDATES = ("w2g32", "w2g64", "w3g32", "w3g64", "w3g128", "w4g32", "w4g64", "w4g128", "w8")
+CANDIDATE = re.compile(r"w(\d+)(?:g(\d+))?")
+CANDIDATE_BITS = (2, 3, 4, 8)  # what compressed-tensors packs and vLLM's integer kernels run
+MAX_UNITS = 1 << 18  # the knapsack's resolution: sizes in at most this many units of the budget
+
+
+def parse_candidate(text: str) -> tuple[int, int]:
+    """``w4g128`` -> (4, 128); ``w8`` -> (8, -1): one scale per output channel."""
+    m = CANDIDATE.fullmatch(text)
+    if m is None or int(m.group(1)) not in CANDIDATE_BITS or (m.group(2) is not None and int(m.group(2)) < 1):
+        bits = "/".join(map(str, CANDIDATE_BITS))
+        raise ValueError(f"candidate {text!r} is not w<bits>g<group> or w<bits> with bits {bits}, e.g. w4g128")
+    return int(m.group(1)), int(m.group(2)) if m.group(2) else -1
+
+
+def candidate_scheme(base: QuantScheme, text: str) -> QuantScheme:
+    bits, group = parse_candidate(text)
+    return replace(base, bits=bits, group_size=group)
+
+
+@dataclass
+class Allocation:
+    """One scheme per linear, and what was predicted and paid for it."""
+
+    target_bpw: float
+    choice: dict[str, str]  # linear -> candidate
+    bits_per_weight: float  # of the choice, as stored
+    predicted_nll: float  # the summed costs: predicted increase of the calibration NLL, nats per token
+    measure_s: float  # seconds spent measuring the costs (0 when read from the cache)
+    counts: dict[str, int] = field(default_factory=dict)  # candidate -> linears given it
+
+    def describe(self) -> str:
+        mix = ", ".join(f"{c} ×{n}" for c, n in sorted(self.counts.items(), key=lambda kv: _order(kv[0])))
+        return (
+            f"{self.bits_per_weight:.3f} bits per weight for a budget of {self.target_bpw}: {mix}; "
+            f"predicted calibration NLL +{self.predicted_nll:.4f} nats/token"
+        )
+
+    def as_dict(self) -> dict:
+        return {
+            "target_bpw": self.target_bpw,
+            "bits_per_weight": self.bits_per_weight,
+            "predicted_nll": self.predicted_nll,
+            "measure_s": self.measure_s,
+            "counts": self.counts,
+            "choice": self.choice,
+        }
+
+
+def _order(candidate: str) -> tuple[int, int]:
+    bits, group = parse_candidate(candidate)
+    return bits, -(group if group > 0 else 1 << 30)
+
+
+def choose(costs: list[list[float]], sizes: list[list[int]], capacity: int) -> list[int] | None:
+    """The multiple-choice knapsack: one option per item (its index), the summed ``costs`` smallest
+    with the summed ``sizes`` at most ``capacity``; None when even the smallest options exceed it.
+    Exact in integer sizes up to ``MAX_UNITS`` units of the capacity, conservative beyond."""
+    unit = 0
+    for row in sizes:
+        for s in row:
+            unit = math.gcd(unit, int(s))
+    unit = max(unit, 1, math.ceil(capacity / MAX_UNITS))
+    cap = capacity // unit
+    best = np.full(cap + 1, np.inf)
+    best[0] = 0.0
+    picks = []
+    for item_costs, item_sizes in zip(costs, sizes):
+        new = np.full(cap + 1, np.inf)
+        pick = np.full(cap + 1, -1, dtype=np.int16)
+        for c, (cost, size) in enumerate(zip(item_costs, item_sizes)):
+            s = -(-int(size) // unit)  # rounded up: never over the budget
+            if s > cap:
+                continue
+            tried = best[: cap + 1 - s] + cost
+            better = tried < new[s:]
+            new[s:][better] = tried[better]
+            pick[s:][better] = c
+        best = new
+        picks.append(pick)
+    if not np.isfinite(best).any():
+        return None
+    at = int(np.argmin(best))  # the cheapest total at any size within the budget
+    out = []
+    for item_sizes, pick in zip(reversed(sizes), reversed(picks)):
+        c = int(pick[at])
+        out.append(c)
+        at -= -(-int(item_sizes[c]) // unit)
+    return out[::-1]
+
+
+def stored_bits(scheme: QuantScheme, shape: tuple[int, int], scale_bits: int) -> int:
+    """Bits linear of (out, in) ``shape`` takes as the export stores it under ``scheme``."""
+    out_features, in_features = shape
+    return round(scheme.bits_per_weight(in_features, scale_bits) * out_features * in_features)
+
+
+class Planner:
+    """The allocation for a recipe's quantizing passes on one model: which candidates fit which
+    linears, the budget's bounds, and the choice once the costs are known."""
+
+    def __init__(self, spec, passes, storage: torch.dtype):
+        self.spec = spec
+        self.passes = [p for p in passes if isinstance(p, WeightQuantPass)]  # AWQ's search included
+        rounding = [p for p in self.passes if p.rounds]
+        if not rounding:
+            raise RecipeError("allocate: no pass of this recipe rounds weights to integers; add one (e.g. gptq)")
+        exported = rounding[-1]  # the last rounding is the one exported
+        if exported.scheme.format != "int" or exported.scheme.fp16_scales:
+            raise RecipeError(
+                f"allocate: {exported.where} rounds to {exported.scheme.describe()}; allocate chooses among integer "
+                "schemes for a compressed-tensors export: give the passes bits/group_size, not a format or GGUF type"
+            )
+        base = exported.scheme
+        self.scale_bits = torch.finfo(storage).bits
+        self.shapes = {n: (o, i) for n, (i, o) in exported.widths.items()}
+        self.options: dict[str, dict[str, QuantScheme]] = {}
+        for text in spec.candidates:
+            try:
+                scheme = candidate_scheme(base, text)
+            except ValueError as e:
+                raise RecipeError(f"allocate.candidates: {e}") from None
+            for name, (_, i) in self.shapes.items():
+                if scheme.group_size == -1 or i % scheme.group_size == 0:
+                    self.options.setdefault(name, {})[text] = scheme
+        if bare := [n for n in self.shapes if n not in self.options]:
+            raise RecipeError(
+                f"allocate.candidates: none fits {bare[0]} (in_features {self.shapes[bare[0]][1]}); "
+                "add a candidate whose group size divides it, or w<bits> (per channel)"
+            )
+        self.weights = sum(o * i for o, i in self.shapes.values())
+        low = sum(min(self.sizes(n).values()) for n in self.shapes) / self.weights
+        high = sum(max(self.sizes(n).values()) for n in self.shapes) / self.weights
+        if not low <= spec.target_bpw <= high:
+            side = "below the smallest" if spec.target_bpw < low else "above the largest"
+            raise RecipeError(
+                f"allocate.target_bpw: {spec.target_bpw} is {side} these candidates give on this model "
+                f"({low:.3f} to {high:.3f} bits per weight, scales included); choose a budget in that range"
+            )
+
+    def sizes(self, name: str) -> dict[str, int]:
+        return {c: stored_bits(s, self.shapes[name], self.scale_bits) for c, s in self.options[name].items()}
+
+    def choose(self, costs: dict[str, dict[str, float]], measure_s: float) -> Allocation:
+        names = list(self.shapes)
+        labels = [list(self.options[n]) for n in names]
+        picked = choose(
+            [[costs[n][c] for c in cs] for n, cs in zip(names, labels)],
+            [[self.sizes(n)[c] for c in cs] for n, cs in zip(names, labels)],
+            math.floor(self.spec.target_bpw * self.weights),
+        )
+        choice = {n: cs[i] for n, cs, i in zip(names, labels, picked)}
+        bits = sum(self.sizes(n)[c] for n, c in choice.items())
+        counts: dict[str, int] = {}
+        for c in choice.values():
+            counts[c] = counts.get(c, 0) + 1
+        predicted = sum(costs[n][c] for n, c in choice.items())
+        return Allocation(self.spec.target_bpw, choice, bits / self.weights, predicted, measure_s, counts)
+
+    def run(self, model: StreamedModel, ids: torch.Tensor, device: torch.device) -> Allocation:
+        """Measure the costs on the first ``samples`` calibration samples (or read them back), choose,
+        and set every quantizing pass's per-linear schemes; printed."""
+        model, ids = streamed(model), ids[: self.spec.samples]
+        key = _key(model, ids, self.options, device)
+        path = cache_dir() / "allocation" / f"{key}.json" if key else None
+        start = time.perf_counter()
+        costs = _read(path, self.options)
+        if costs is not None:
+            measure_s, say = 0.0, f"layer costs read from {path}"
+        else:
+            costs = measure(model, ids, self.options, device)
+            measure_s = time.perf_counter() - start
+            say = f"layer costs measured on {len(ids)} samples in {measure_s:.0f} s"
+            if path is not None and distributed.is_main():
+                _save(path, costs)
+        allocation = self.choose(costs, measure_s)
+        self.apply(allocation)
+        if distributed.is_main():
+            print(f"[compress] allocation: {say}; {allocation.describe()}", flush=True)
+        return allocation
+
+    def apply(self, allocation: Allocation) -> None:
+        """Every quantizing pass rounds each linear to its allocated scheme."""
+        for p in self.passes:
+            for name in p.widths:
+                if name in allocation.choice:
+                    p.schemes[name] = candidate_scheme(p.scheme, allocation.choice[name])
+
+
+def _first(out):
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _backward(block, linears: dict, inputs: list, grads: list, call: tuple):
+    """The block run forward and back on each sample: per linear the sum of its inputs' outer
+    products (``H``) and of its outputs' squared gradients per channel (``F``); and the gradients at
+    the block's inputs, for the block before."""
+    args, kwargs = call
+    H = {n: torch.zeros(lin.in_features, lin.in_features, device=inputs[0].device) for n, lin in linears.items()}
+    F = {n: torch.zeros(lin.out_features, device=inputs[0].device) for n, lin in linears.items()}
+
+    def hook(name):
+        def fn(module, module_args, out):
+            x = module_args[0].detach().reshape(-1, module.in_features).float()
+            H[name].addmm_(x.T, x)
+            out.register_hook(lambda g: _add_squares(F[name], g))
+
+        return fn
+
+    handles = [lin.register_forward_hook(hook(n)) for n, lin in linears.items()]
+    before = []
+    try:
+        with torch.enable_grad():
+            for x, g in zip(inputs, grads):
+                x = x.detach().requires_grad_()
+                before.append(torch.autograd.grad(_first(block(x, *args, **kwargs)), x, g)[0])
+    finally:
+        for h in handles:
+            h.remove()
+    return H, F, before
+
+
+def _add_squares(total: torch.Tensor, grad: torch.Tensor) -> None:
+    """A gradient hook: adds each output channel's squared gradients (returns None: the gradient is kept)."""
+    total.add_(grad.reshape(-1, total.shape[0]).float().pow(2).sum(0))
+
+
+@torch.no_grad()
+def _cost(weight: torch.Tensor, H: torch.Tensor, F: torch.Tensor, scheme: QuantScheme, storage) -> float:
+    w = weight.float()
+    dw = quantize_weight(w, scheme, storage).dequantized().float() - w
+    return 0.5 * float((F * ((dw @ H) * dw).sum(1)).sum())
+
+
+def measure(
+    model: StreamedModel, ids: torch.Tensor, options: dict[str, dict[str, QuantScheme]], device: torch.device
+) -> dict[str, dict[str, float]]:
+    """``cost(l, c)`` (module docstring) for every linear ``l`` in ``options`` and each of its
+    candidates, from one forward and one backward over ``ids``, a block at a time. Holds every
+    block's inputs on the samples (layers × samples × seqlen × hidden floats)."""
+    model = streamed(model)
+    storage, compute = model.dtype, compute_dtype(device, model.dtype)
+    show = distributed.is_main()
+    hidden, calls = capture_inputs(model.model, ids, device, compute)
+    inputs = []
+    with torch.no_grad():
+        for i in tqdm(range(len(model)), desc="allocation: forward", unit="block", disable=not show):
+            inputs.append(hidden)
+            with model.block(i) as block:
+                home = next(block.parameters()).device
+                cast_params(block, device, compute)
+                args, kwargs = calls[i]
+                hidden = [_first(block(h, *args, **kwargs)) for h in hidden]
+                cast_params(block, home, storage)
+    arch = arch_of(model.model)
+    norm = model.model.get_submodule(arch.norm)
+    logits_of = output_logits(model.model)[0]
+    tokens = ids.shape[0] * (ids.shape[1] - 1)
+    grads = []
+    norm_home = next(norm.parameters()).device
+    cast_params(norm, device, compute)
+    try:
+        with head_on_device(model.model, device), torch.enable_grad():
+            for n, h in enumerate(hidden):
+                h = h.detach().requires_grad_()
+                logits = logits_of(norm(h))[0, :-1]
+                loss = torch.nn.functional.cross_entropy(logits, ids[n, 1:].to(device), reduction="sum")
+                grads.append(torch.autograd.grad(loss, h)[0])
+    finally:
+        cast_params(norm, norm_home, storage)
+    costs: dict[str, dict[str, float]] = {}
+    blocks = tqdm(range(len(model) - 1, -1, -1), desc="allocation: backward", unit="block", disable=not show)
+    for i in blocks:
+        prefix = f"{model.prefix}{i}."
+        with model.block(i) as block:
+            home = next(block.parameters()).device
+            cast_params(block, device, compute)
+            mine = {n: block.get_submodule(n[len(prefix) :]) for n in options if n.startswith(prefix)}
+            H, F, grads = _backward(block, mine, inputs[i], grads, calls[i])
+            for n, lin in mine.items():
+                h, f = H[n] / tokens, F[n] / tokens
+                costs[n] = {c: _cost(lin.weight, h, f, s, storage) for c, s in options[n].items()}
+            cast_params(block, home, storage)
+        inputs[i] = None
+    return costs
+
+
+def _key(model: StreamedModel, ids: torch.Tensor, options: dict, device: torch.device) -> str | None:
+    """What the costs depend on: the model's files, the tokens, the candidates' schemes and this code;
+    None for a model held only in memory."""
+    model = streamed(model)
+    if model.checkpoint is None:
+        return None
+    h = hashlib.sha256()
+    for f in sorted({*model.checkpoint.file_of.values(), model.checkpoint.folder / "config.json"}):
+        if f.exists():
+            st = f.stat()
+            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h.update(ids.cpu().numpy().tobytes())
+    h.update(repr(sorted((n, sorted((c, repr(s)) for c, s in o.items())) for n, o in options.items())).encode())
+    h.update(f"{device.type}:{model.dtype}:{torch.__version__}".encode())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()[:32]
+
+
+def _read(path: Path | None, options: dict) -> dict | None:
+    """The costs kept in ``path``, None when absent or not whole (then they are measured again)."""
+    try:
+        costs = json.loads(path.read_text()) if path is not None and path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    whole = isinstance(costs, dict) and all(
+        isinstance(costs.get(n), dict) and all(isinstance(costs[n].get(c), float) for c in o)
+        for n, o in options.items()
+    )
+    return costs if whole else None
+
+
+def _save(path: Path, costs: dict) -> None:
+    """Atomically; a cache that cannot be written costs only a second measurement."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(costs))
+        os.replace(partial, path)
+    except OSError:
+        pass
