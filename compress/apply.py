@@ -262,6 +262,7 @@ def _check_memory(run: _Run, model, samples: int, evaluated: tuple[int, int], wh
         whole,
         spill is not None,
         keep_blocks,
+        min(run.recipe.allocate.samples, samples) if run.recipe.allocate is not None else 0,
     )
     need.processes = distributed.local_size() if run.device.type == "cpu" else 1
     if run.main:

@@ -33,6 +33,7 @@ class MemoryPlanError(RuntimeError):
 class MemoryPlan:
     compress: dict[str, int] = field(default_factory=dict)  # bytes by what holds them
     evaluate: dict[str, int] = field(default_factory=dict)
+    allocate: dict[str, int] = field(default_factory=dict)  # measuring an ``allocate`` key's costs, before compressing
     shared: dict[str, int] = field(default_factory=dict)  # held in both phases
     disk: dict[str, int] = field(default_factory=dict)  # spilled (``apply --spill``): files, not RAM
     kept: int = 0  # disk beside the output for the finished blocks ``--resume`` reads back
@@ -41,11 +42,12 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
-        one = RUNTIME + sum(self.shared.values()) + max(sum(self.compress.values()), sum(self.evaluate.values()))
+        phases = (self.compress, self.evaluate, self.allocate)
+        one = RUNTIME + sum(self.shared.values()) + max(sum(phase.values()) for phase in phases)
         return self.processes * one
 
     def describe(self) -> str:
-        parts = {**self.shared, **self.compress, **self.evaluate}
+        parts = {**self.shared, **self.compress, **self.evaluate, **self.allocate}
         top = ", ".join(f"{k} {v / GB:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
         spilled = "".join(f"; {k} on disk ≈ {v / GB:.1f} GB" for k, v in self.disk.items())
         kept = f"; finished blocks kept for --resume ≤ {self.kept / GB:.1f} GB on disk" if self.kept else ""
@@ -78,11 +80,13 @@ def plan(
     whole: bool,
     spill: bool = False,
     keep_blocks: bool = False,
+    allocation_samples: int = 0,
 ) -> MemoryPlan:
     """``model`` a ``lazy.StreamedModel`` (shapes only are read); ``samples`` 0 without calibration,
     ``windows`` 0 without evaluation; ``whole``: the run reads every block and keeps it; ``spill``:
     calibration activations go to files (``apply --spill``); ``keep_blocks``: finished blocks
-    are kept on disk for ``--resume`` (at most their stored tensors and a byte of mask per weight)."""
+    are kept on disk for ``--resume`` (at most their stored tensors and a byte of mask per weight);
+    ``allocation_samples``: the samples an ``allocate`` key measures its costs on (0: none)."""
     cfg = model.config
     stored = torch.tensor([], dtype=model.dtype).element_size()
     f32, hidden = 4, cfg.hidden_size
@@ -110,6 +114,15 @@ def plan(
         plan.evaluate["one block"] = n_block * (stored + f32)
         plan.evaluate["evaluation hidden states"] = 2 * windows * eval_seqlen * hidden * f32  # model and reference
         plan.evaluate["logits"] = 4 * (1 << 26) * f32  # two models' log-probabilities and their softmax, a chunk
+    if allocation_samples:
+        tokens = allocation_samples * cal_seqlen
+        linears = [m for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
+        plan.allocate["allocation: every block's inputs"] = len(model) * tokens * hidden * f32
+        plan.allocate["allocation: gradients and outputs"] = 3 * tokens * hidden * f32
+        plan.allocate["allocation: one sample's logits"] = 3 * cal_seqlen * cfg.vocab_size * f32
+        plan.allocate["allocation: one block and its statistics"] = n_block * (stored + 2 * f32) + sum(
+            m.in_features**2 * f32 for m in linears
+        )
     return plan
 
 
@@ -118,11 +131,12 @@ def check(plan: MemoryPlan, device: torch.device) -> None:
     free = available_bytes(device)
     if free is None or plan.peak <= free or os.environ.get("COMPRESS_SKIP_MEMORY_CHECK") == "1":
         return
-    biggest = max({**plan.compress, **plan.evaluate}.items(), key=lambda kv: kv[1])
+    biggest = max({**plan.compress, **plan.evaluate, **plan.allocate}.items(), key=lambda kv: kv[1])
     spill = ", or --spill DIR to keep them in files" if biggest[0] == "calibration activations" else ""
+    samples = "the recipe's allocate.samples" if biggest[0].startswith("allocation") else "--samples"
     raise MemoryPlanError(
         f"this run needs about {plan.peak / GB:.1f} GB of {plan.where}, {free / GB:.1f} GB is free; "
-        f"the largest part is {biggest[0]} ({biggest[1] / GB:.1f} GB): lower --samples or the calibration "
+        f"the largest part is {biggest[0]} ({biggest[1] / GB:.1f} GB): lower {samples} or the calibration "
         f"seqlen{spill}, or --windows/--seqlen (set COMPRESS_SKIP_MEMORY_CHECK=1 to try anyway)"
     )
 

@@ -281,6 +281,8 @@ def stores(recipe: Recipe) -> str:
                 weights = f"W{rounding.bits}" if rounding.format == "int" else f"W-{_FLOAT_NAMES[rounding.format]}"
         if p.name == "qlora" and p.weight_bits:
             weights = "W-NF4"
+        if rounding is not None and recipe.allocate is not None:
+            weights = f"W mixed {recipe.allocate.target_bpw} bpw"
         if p.name == "smoothquant":
             inputs = "A8"
         elif p.name == "activations":

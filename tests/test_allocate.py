@@ -181,3 +181,15 @@ def test_the_command_line_refuses_a_bad_budget_with_exit_2(model_folder, tmp_pat
         assert said in r.stderr and "Traceback" not in r.stderr
         assert len(r.stderr.strip().splitlines()) <= 2  # the line, and at most a warning before it
         assert not out.exists()
+
+
+def test_the_memory_plan_counts_what_measuring_the_costs_holds():
+    from compress import memory
+
+    model = streamed(tiny("llama", layers=2))
+    recipe = parse(DATA + "allocate: {target_bpw: 3}\n" + GPTQ)
+    without = memory.plan(model, recipe.passes, torch.device("cpu"), 4, 64, 0, 0, False)
+    plan = memory.plan(model, recipe.passes, torch.device("cpu"), 4, 64, 0, 0, False, allocation_samples=4)
+    assert not without.allocate
+    assert plan.allocate["allocation: every block's inputs"] == 2 * 4 * 64 * 64 * 4  # blocks × tokens × hidden × f32
+    assert "allocation: every block's inputs" in plan.describe()
