@@ -113,15 +113,17 @@ def _plot(records: list[dict], file: str, out: Path) -> Path | None:
     import matplotlib.pyplot as plt
 
     x_key, y_key, x_label, y_label, log_y = PLOTS[file]
-    points = [
-        (r[x_key], r[y_key], r.get("recipe") or Path(r["folder"]).name)
-        for r in records
-        if r.get(x_key) is not None and r.get(y_key) is not None
-    ]
+    shown = [r for r in records if r.get(x_key) is not None and r.get(y_key) is not None]
+    points = [(r[x_key], r[y_key], r.get("recipe") or Path(r["folder"]).name) for r in shown]
     if not points:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
-    ax.scatter([p[0] for p in points], [p[1] for p in points], color="tab:blue", zorder=3)
+    mixed = [bool(r.get("allocation")) for r in shown]  # each linear its own scheme (``allocate``)
+    for kind, marker, color, label in ((False, "o", "tab:blue", "one scheme"), (True, "D", "tab:green", "mixed")):
+        these = [p for p, m in zip(points, mixed) if m == kind]
+        if these:
+            label = label if any(mixed) else None  # a legend entry only where both kinds are shown
+            ax.scatter([p[0] for p in these], [p[1] for p in these], color=color, marker=marker, zorder=3, label=label)
     if log_y:
         ax.set_yscale("log")
     front = [points[i] for i in pareto([(p[0], p[1]) for p in points])]

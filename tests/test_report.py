@@ -113,3 +113,16 @@ def test_labels_of_nearby_points_do_not_overlap():
     assert sorted(t.get_text() for t in texts) == sorted(p[2] for p in points)
     assert not any(a.overlaps(b) for i, a in enumerate(boxes) for b in boxes[i + 1 :])
     plt.close(fig)
+
+
+def test_mixed_precision_exports_are_marked_apart_on_the_plots(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    uniform = _export(tmp_path / "a", "best-w4", 4.25, 110.0, 23.5, 0.15)
+    mixed = _export(tmp_path / "b", "mixed-3.5", 3.5, 95.0, 26.0, 0.2)
+    data = json.loads((mixed / "report.json").read_text())
+    (mixed / "report.json").write_text(json.dumps(data | {"allocation": {"target_bpw": 3.5}}))
+    figures = []
+    monkeypatch.setattr(report, "_save", lambda fig, path: figures.append(fig) or path)
+    report._plot(report.load([uniform, mixed]), "ppl_vs_bits.png", tmp_path)
+    (ax,) = figures[0].axes
+    assert {t.get_text() for t in ax.get_legend().get_texts()} >= {"one scheme", "mixed"}
