@@ -183,13 +183,15 @@ class Planner:
                 "add a candidate whose group size divides it, or w<bits> (per channel)"
             )
         self.weights = sum(o * i for o, i in self.shapes.values())
-        low = sum(min(self.sizes(n).values()) for n in self.shapes) / self.weights
-        high = sum(max(self.sizes(n).values()) for n in self.shapes) / self.weights
-        if not low <= spec.target_bpw <= high:
-            side = "below the smallest" if spec.target_bpw < low else "above the largest"
+        self.capacity = math.floor(spec.target_bpw * self.weights)  # the budget in bits
+        low = sum(min(self.sizes(n).values()) for n in self.shapes)
+        high = sum(max(self.sizes(n).values()) for n in self.shapes)
+        if not low <= self.capacity <= high:
+            side = "below the smallest" if self.capacity < low else "above the largest"
             raise RecipeError(
                 f"allocate.target_bpw: {spec.target_bpw} is {side} these candidates give on this model "
-                f"({low:.3f} to {high:.3f} bits per weight, scales included); choose a budget in that range"
+                f"({low / self.weights:.3f} to {high / self.weights:.3f} bits per weight, scales included); "
+                "choose a budget in that range"
             )
 
     def sizes(self, name: str) -> dict[str, int]:
@@ -198,11 +200,10 @@ class Planner:
     def choose(self, costs: dict[str, dict[str, float]], measure_s: float) -> Allocation:
         names = list(self.shapes)
         labels = [list(self.options[n]) for n in names]
-        picked = choose(
-            [[costs[n][c] for c in cs] for n, cs in zip(names, labels)],
-            [[self.sizes(n)[c] for c in cs] for n, cs in zip(names, labels)],
-            math.floor(self.spec.target_bpw * self.weights),
-        )
+        sizes = [[self.sizes(n)[c] for c in cs] for n, cs in zip(names, labels)]
+        picked = choose([[costs[n][c] for c in cs] for n, cs in zip(names, labels)], sizes, self.capacity)
+        if picked is None:  # only where sizes rounded up to a coarse unit no longer fit: the smallest do
+            picked = [min(range(len(row)), key=row.__getitem__) for row in sizes]
         choice = {n: cs[i] for n, cs, i in zip(names, labels, picked)}
         bits = sum(self.sizes(n)[c] for n, c in choice.items())
         counts: dict[str, int] = {}
