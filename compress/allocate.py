@@ -246,18 +246,21 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _backward(block, linears: dict, inputs: list, grads: list, call: tuple):
+def _backward(block, linears: dict, shares: dict, inputs: list, grads: list, call: tuple):
     """The block run forward and back on each sample: per linear the sum of its inputs' outer
-    products (``H``) and of its outputs' squared gradients per channel (``F``); and the gradients at
-    the block's inputs, for the block before."""
+    products (``H``; one for the linears that read one input, ``shares`` naming whose) and of its
+    outputs' squared gradients per channel (``F``); and the gradients at the block's inputs, for
+    the block before."""
     args, kwargs = call
-    H = {n: torch.zeros(lin.in_features, lin.in_features, device=inputs[0].device) for n, lin in linears.items()}
-    F = {n: torch.zeros(lin.out_features, device=inputs[0].device) for n, lin in linears.items()}
+    device = inputs[0].device
+    H = {n: torch.zeros(m.in_features, m.in_features, device=device) for n, m in linears.items() if shares[n] == n}
+    F = {n: torch.zeros(lin.out_features, device=device) for n, lin in linears.items()}
 
     def hook(name):
         def fn(module, module_args, out):
-            x = module_args[0].detach().reshape(-1, module.in_features).float()
-            H[name].addmm_(x.T, x)
+            if name in H:
+                x = module_args[0].detach().reshape(-1, module.in_features).float()
+                H[name].addmm_(x.T, x)
             out.register_hook(lambda g: _add_squares(F[name], g))
 
         return fn
@@ -272,7 +275,7 @@ def _backward(block, linears: dict, inputs: list, grads: list, call: tuple):
     finally:
         for h in handles:
             h.remove()
-    return H, F, before
+    return {n: H[shares[n]] for n in linears}, F, before
 
 
 def _add_squares(total: torch.Tensor, grad: torch.Tensor) -> None:
@@ -331,7 +334,11 @@ def measure(
             home = next(block.parameters()).device
             cast_params(block, device, compute)
             mine = {n: block.get_submodule(n[len(prefix) :]) for n in options if n.startswith(prefix)}
-            H, F, grads = _backward(block, mine, inputs[i], grads, calls[i])
+            shares = {n: n for n in mine}
+            for group in arch.groups:  # q/k/v, gate/up: one input, one H
+                present = [prefix + g for g in group if prefix + g in mine]
+                shares |= dict.fromkeys(present, present[0]) if present else {}
+            H, F, grads = _backward(block, mine, shares, inputs[i], grads, calls[i])
             for n, lin in mine.items():
                 h, f = H[n] / tokens, F[n] / tokens
                 costs[n] = {c: _cost(lin.weight, h, f, s, storage) for c, s in options[n].items()}
