@@ -56,6 +56,7 @@ DEFAULT_CANDIDATES = ("w2g32", "w2g64", "w3g32", "w3g64", "w3g128", "w4g32", "w4
 CANDIDATE = re.compile(r"w(\d+)(?:g(\d+))?")
 CANDIDATE_BITS = (2, 3, 4, 8)  # what compressed-tensors packs and vLLM's integer kernels run
 MAX_UNITS = 1 << 18  # the knapsack's resolution: sizes in at most this many units of the budget
+CACHE_FILES = 32  # measured costs kept (a few kilobytes each); the oldest beyond are removed
 
 
 def parse_candidate(text: str) -> tuple[int, int]:
@@ -385,5 +386,7 @@ def _save(path: Path, costs: dict) -> None:
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         partial.write_text(json.dumps(costs))
         os.replace(partial, path)
+        for old in sorted(path.parent.glob("*.json"), key=lambda f: f.stat().st_mtime)[:-CACHE_FILES]:
+            old.unlink(missing_ok=True)
     except OSError:
         pass

@@ -32,6 +32,9 @@ RECIPES = {  # every kind of state a pass leaves on a block
     # the dense model's activations, carried beside the compressed ones, start again from the originals
     "awq + gptaq": "  - awq: {bits: 4, group_size: 32, symmetric: true, grid: 4, quantize: false}\n"
     "  - gptq: {bits: 4, group_size: 32, symmetric: true, gptaq: true}\n",
+    # each linear's scheme allocated to a budget: the resumed run chooses the same
+    "gptq allocated to 3.5 bits": "  - gptq: {bits: 4, group_size: 32, symmetric: true}\n"
+    "allocate: {target_bpw: 3.5, candidates: [w2g32, w3g32, w4g32, w8]}\n",
 }
 
 
