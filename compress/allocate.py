@@ -6,6 +6,12 @@ for one scale per channel; symmetry and observer are the passes'), so that the w
 weight, scales and zero-points counted as the export stores them, is at most the budget and the
 predicted loss is smallest.
 
+A recipe that exports a GGUF k-quant file chooses among llama.cpp's k-quant types instead
+(``q2_k`` to ``q6_k``; a linear whose input width is not whole super-blocks of 256 takes the type
+llama.cpp falls back to, as in its own files), counted as the file stores them; its budget may
+name a k-quant file type (``target_bpw: q4_k_m``): the bits llama.cpp's own mix of that name gives
+these linears, so the file comes out the size of llama.cpp's.
+
 Cost (``measure: fisher``): the increase of the calibration loss that a second-order expansion
 predicts when linear ``l`` alone is rounded to candidate ``c``, with the Fisher information of the
 linear's outputs (squared gradients, averaged over tokens, per output channel) standing in for the
@@ -36,6 +42,7 @@ import math
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -43,16 +50,18 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from . import distributed
+from . import distributed, kquant
 from .arch import arch_of
 from .evaluate import head_on_device, output_logits
+from .formats import gguf_file
 from .lazy import StreamedModel, streamed
 from .models import cache_dir, cast_params, compute_dtype
-from .passes import RecipeError, WeightQuantPass
+from .passes import RecipeError, WeightQuantPass, gguf_scheme, gguf_schemes
 from .pipeline import capture_inputs
 from .quant import QuantScheme, quantize_weight
 
 DEFAULT_CANDIDATES = ("w2g32", "w2g64", "w3g32", "w3g64", "w3g128", "w4g32", "w4g64", "w4g128", "w8")
+GGUF_CANDIDATES = ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")  # the defaults of a GGUF k-quant export
 CANDIDATE = re.compile(r"w(\d+)(?:g(\d+))?")
 CANDIDATE_BITS = (2, 3, 4, 8)  # what compressed-tensors packs and vLLM's integer kernels run
 MAX_UNITS = 1 << 18  # the knapsack's resolution: sizes in at most this many units of the budget
@@ -64,11 +73,28 @@ def parse_candidate(text: str) -> tuple[int, int]:
     m = CANDIDATE.fullmatch(text)
     if m is None or int(m.group(1)) not in CANDIDATE_BITS or (m.group(2) is not None and int(m.group(2)) < 1):
         bits = "/".join(map(str, CANDIDATE_BITS))
-        raise ValueError(f"candidate {text!r} is not w<bits>g<group> or w<bits> with bits {bits}, e.g. w4g128")
+        raise ValueError(
+            f"candidate {text!r} is not w<bits>g<group> or w<bits> with bits {bits}, e.g. w4g128, "
+            f"nor a GGUF k-quant type ({', '.join(GGUF_CANDIDATES)})"
+        )
     return int(m.group(1)), int(m.group(2)) if m.group(2) else -1
 
 
+def check_candidates(candidates: list[str]) -> bool:
+    """True for GGUF k-quant types, False for integer schemes; ValueError for a mix of both or a bad one."""
+    gguf = [c in GGUF_CANDIDATES for c in candidates]
+    for text, is_gguf in zip(candidates, gguf):
+        if not is_gguf:
+            parse_candidate(text)
+    if any(gguf) and not all(gguf):
+        raise ValueError("candidates mix GGUF k-quant types and integer schemes; a recipe exports one or the other")
+    return all(gguf)
+
+
 def candidate_scheme(base: QuantScheme, text: str) -> QuantScheme:
+    """The pass's scheme ``base`` with a candidate's bits and group size, or a GGUF type's own scheme."""
+    if base.is_kquant:  # a GGUF export: k-quant types and llama.cpp's fallbacks
+        return gguf_scheme(text, base.observer)
     bits, group = parse_candidate(text)
     return replace(base, bits=bits, group_size=group)
 
@@ -77,8 +103,9 @@ def candidate_scheme(base: QuantScheme, text: str) -> QuantScheme:
 class Allocation:
     """One scheme per linear, and what was predicted and paid for it."""
 
-    target_bpw: float
-    choice: dict[str, str]  # linear -> candidate
+    target_bpw: float | str  # bits per weight, or the GGUF file type whose size it is
+    budget_bpw: float  # the budget in bits per weight
+    choice: dict[str, str]  # linear -> candidate (a GGUF export: the type written, fallbacks included)
     bits_per_weight: float  # of the choice, as stored
     predicted_nll: float  # the summed costs: predicted increase of the calibration NLL, nats per token
     measure_s: float  # seconds spent measuring the costs (0 when read from the cache)
@@ -87,13 +114,19 @@ class Allocation:
     def describe(self) -> str:
         mix = ", ".join(f"{c} ×{n}" for c, n in sorted(self.counts.items(), key=lambda kv: _order(kv[0])))
         return (
-            f"{self.bits_per_weight:.3f} bits per weight for a budget of {self.target_bpw}: {mix}; "
+            f"{self.bits_per_weight:.3f} bits per weight for a budget of {self._budget()}: {mix}; "
             f"predicted calibration NLL +{self.predicted_nll:.4f} nats/token"
         )
+
+    def _budget(self) -> str:
+        if isinstance(self.target_bpw, str):
+            return f"{self.budget_bpw:.3f} (llama.cpp's {self.target_bpw.upper()} mix)"
+        return str(self.target_bpw)
 
     def as_dict(self) -> dict:
         return {
             "target_bpw": self.target_bpw,
+            "budget_bpw": self.budget_bpw,
             "bits_per_weight": self.bits_per_weight,
             "predicted_nll": self.predicted_nll,
             "measure_s": self.measure_s,
@@ -102,7 +135,9 @@ class Allocation:
         }
 
 
-def _order(candidate: str) -> tuple[int, int]:
+def _order(candidate: str) -> tuple[float, int]:
+    if candidate in kquant.TYPES or candidate in gguf_file.LEGACY:
+        return stored_bits(gguf_scheme(candidate, "minmax"), (1, kquant.SUPER), 16), 0
     bits, group = parse_candidate(candidate)
     return bits, -(group if group > 0 else 1 << 30)
 
@@ -145,8 +180,10 @@ def choose(costs: list[list[float]], sizes: list[list[int]], capacity: int) -> l
 
 
 def stored_bits(scheme: QuantScheme, shape: tuple[int, int], scale_bits: int) -> int:
-    """Bits linear of (out, in) ``shape`` takes as the export stores it under ``scheme``."""
+    """Bits linear of (out, in) ``shape`` takes as the export stores it under ``scheme`` (a GGUF
+    legacy type: float16 scales, whatever the storage dtype)."""
     out_features, in_features = shape
+    scale_bits = 16 if scheme.fp16_scales else scale_bits
     return round(scheme.bits_per_weight(in_features, scale_bits) * out_features * in_features)
 
 
@@ -154,29 +191,36 @@ class Planner:
     """The allocation for a recipe's quantizing passes on one model: which candidates fit which
     linears, the budget's bounds, and the choice once the costs are known."""
 
-    def __init__(self, spec, passes, storage: torch.dtype):
+    def __init__(self, spec, passes, storage: torch.dtype, config=None):
         self.spec = spec
         self.passes = [p for p in passes if isinstance(p, WeightQuantPass)]  # AWQ's search included
         rounding = [p for p in self.passes if p.rounds]
         if not rounding:
             raise RecipeError("allocate: no pass of this recipe rounds weights to integers; add one (e.g. gptq)")
         exported = rounding[-1]  # the last rounding is the one exported
-        if exported.scheme.format != "int" or exported.scheme.fp16_scales:
-            raise RecipeError(
-                f"allocate: {exported.where} rounds to {exported.scheme.describe()}; allocate chooses among integer "
-                "schemes for a compressed-tensors export: give the passes bits/group_size, not a format or GGUF type"
-            )
         base = exported.scheme
+        gguf = base.is_kquant
+        if not gguf and (base.format != "int" or base.fp16_scales):
+            raise RecipeError(
+                f"allocate: {exported.where} rounds to {base.describe()}; allocate chooses among integer schemes "
+                "(a compressed-tensors export) or GGUF k-quant types (a k-quant GGUF export)"
+            )
+        self.candidates = list(spec.candidates or (GGUF_CANDIDATES if gguf else DEFAULT_CANDIDATES))
+        try:
+            if check_candidates(self.candidates) != gguf:
+                kind = "GGUF k-quant types" if gguf else "integer schemes (w<bits>g<group>)"
+                raise ValueError(f"{exported.where} rounds to {base.describe()}: its candidates are {kind}")
+        except ValueError as e:
+            raise RecipeError(f"allocate.candidates: {e}") from None
         self.scale_bits = torch.finfo(storage).bits
         self.shapes = {n: (o, i) for n, (i, o) in exported.widths.items()}
         self.options: dict[str, dict[str, QuantScheme]] = {}
-        for text in spec.candidates:
-            try:
-                scheme = candidate_scheme(base, text)
-            except ValueError as e:
-                raise RecipeError(f"allocate.candidates: {e}") from None
+        for text in self.candidates:
             for name, (_, i) in self.shapes.items():
-                if scheme.group_size == -1 or i % scheme.group_size == 0:
+                if gguf:  # a row not whole super-blocks takes llama.cpp's fallback type: one option per type
+                    label = text if i % kquant.SUPER == 0 else kquant.FALLBACK[text]
+                    self.options.setdefault(name, {}).setdefault(label, candidate_scheme(base, label))
+                elif (scheme := candidate_scheme(base, text)).group_size == -1 or i % scheme.group_size == 0:
                     self.options.setdefault(name, {})[text] = scheme
         if bare := [n for n in self.shapes if n not in self.options]:
             raise RecipeError(
@@ -184,13 +228,24 @@ class Planner:
                 "add a candidate whose group size divides it, or w<bits> (per channel)"
             )
         self.weights = sum(o * i for o, i in self.shapes.values())
-        self.capacity = math.floor(spec.target_bpw * self.weights)  # the budget in bits
         low = sum(min(self.sizes(n).values()) for n in self.shapes)
         high = sum(max(self.sizes(n).values()) for n in self.shapes)
+        mix = isinstance(spec.target_bpw, str)
+        if mix:  # a GGUF file type: the bits llama.cpp's mix of it gives
+            kind = candidate_scheme(base, gguf_file.MIX_BASE[spec.target_bpw])
+            with warnings.catch_warnings():  # the fallback warning: the passes' check gave it already
+                warnings.simplefilter("ignore")
+                others = gguf_schemes(kind, spec.target_bpw, exported.widths, exported.where, config)
+            own = {n: others.get(n, kind) for n in self.shapes}
+            self.capacity = sum(stored_bits(own[n], self.shapes[n], self.scale_bits) for n in self.shapes)
+        else:
+            self.capacity = math.floor(spec.target_bpw * self.weights)  # the budget in bits
+        self.budget_bpw = self.capacity / self.weights
         if not low <= self.capacity <= high:
             side = "below the smallest" if self.capacity < low else "above the largest"
+            budget = f"{spec.target_bpw} ({self.budget_bpw:.3f} bits per weight)" if mix else spec.target_bpw
             raise RecipeError(
-                f"allocate.target_bpw: {spec.target_bpw} is {side} these candidates give on this model "
+                f"allocate.target_bpw: {budget} is {side} these candidates give on this model "
                 f"({low / self.weights:.3f} to {high / self.weights:.3f} bits per weight, scales included); "
                 "choose a budget in that range"
             )
@@ -211,7 +266,9 @@ class Planner:
         for c in choice.values():
             counts[c] = counts.get(c, 0) + 1
         predicted = sum(costs[n][c] for n, c in choice.items())
-        return Allocation(self.spec.target_bpw, choice, bits / self.weights, predicted, measure_s, counts)
+        return Allocation(
+            self.spec.target_bpw, self.budget_bpw, choice, bits / self.weights, predicted, measure_s, counts
+        )
 
     def run(self, model: StreamedModel, ids: torch.Tensor, device: torch.device) -> Allocation:
         """Measure the costs on the first ``samples`` calibration samples (or read them back), choose,
@@ -354,11 +411,7 @@ def _key(model: StreamedModel, ids: torch.Tensor, options: dict, device: torch.d
     model = streamed(model)
     if model.checkpoint is None:
         return None
-    h = hashlib.sha256()
-    for f in sorted({*model.checkpoint.file_of.values(), model.checkpoint.folder / "config.json"}):
-        if f.exists():
-            st = f.stat()
-            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h = hashlib.sha256(model.checkpoint.fingerprint().encode())
     h.update(ids.cpu().numpy().tobytes())
     h.update(repr(sorted((n, sorted((c, repr(s)) for c, s in o.items())) for n, o in options.items())).encode())
     h.update(f"{device.type}:{model.dtype}:{torch.__version__}".encode())

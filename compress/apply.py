@@ -180,7 +180,7 @@ def _check_model(run: _Run, model) -> None:
     for p in run.recipe.passes:
         p.check(model)
     if run.recipe.allocate is not None:
-        run.planner = allocate.Planner(run.recipe.allocate, run.recipe.passes, run.torch_dtype)
+        run.planner = allocate.Planner(run.recipe.allocate, run.recipe.passes, run.torch_dtype, model.config)
     if run.gguf is not None and (problem := gguf_file.family_problem(model.config.model_type, model.config.to_dict())):
         raise gguf_file.GGUFError(problem)
 
@@ -302,7 +302,12 @@ def _finish(run: _Run, writer, model, tokenizer, calib_what: str, compress_s: fl
     kv = kv_quant.bytes_per_token(model)
     method = " + ".join(p.summary() for p in recipe.passes)
     if recipe.allocate is not None:
-        method += f", allocated to {recipe.allocate.target_bpw} bits per weight"
+        budget = recipe.allocate.target_bpw
+        method += (
+            f", allocated to {budget} bits per weight"
+            if not isinstance(budget, str)
+            else (f", allocated to the size of llama.cpp's {budget.upper()}")
+        )
     manifest = {
         "recipe": recipe.name,
         "base_model": run.source,

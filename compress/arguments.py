@@ -8,6 +8,7 @@ import math
 import sys
 
 from .decode.methods import METHODS
+from .formats import gguf_file
 from .formats.gguf_file import TYPES as GGUF_TYPES
 from .models import DEFAULT_MODEL
 
@@ -45,12 +46,16 @@ def _number(low: float, high: float = math.inf, low_open: bool = False, auto: bo
     return parse
 
 
-def _bits(text: str) -> float:
-    """An argparse type: a positive, finite number of bits per weight."""
+def _bits(text: str) -> float | str:
+    """An argparse type: a positive, finite number of bits per weight, or a GGUF k-quant file type
+    (the size of llama.cpp's own file of that type)."""
+    if text.lower() in gguf_file.MIX_BASE:
+        return text.lower()
     try:
         bits = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        mixes = ", ".join(gguf_file.MIX_BASE)
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor a GGUF k-quant type ({mixes})") from None
     if not 0 < bits < float("inf"):
         raise argparse.ArgumentTypeError(f"give a positive number of bits per weight; got {text}")
     return bits
@@ -134,7 +139,8 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         type=_bits,
         metavar="BITS",
         help="give each quantized linear the scheme it can bear so that the model's bits per weight (scales "
-        "included) is at most BITS (sets the recipe's allocate.target_bpw; see docs/methods.md)",
+        "included) is at most BITS, or, for a recipe that exports GGUF k-quants, the size of llama.cpp's own "
+        "file of a type (e.g. q4_k_m) (sets the recipe's allocate.target_bpw; see docs/recipes.md)",
     )
     common(p, None, "bfloat16 (default; float32 for a recipe that exports GGUF), float16 or float32")
     p.set_defaults(func=commands["apply"])

@@ -281,12 +281,7 @@ def _reference_key(model: StreamedModel, data: torch.Tensor, device: torch.devic
     a model held in memory (it may have been changed there)."""
     if model.checkpoint is None:
         return None
-    folder = model.checkpoint.folder
-    h = hashlib.sha256()
-    for f in sorted({*model.checkpoint.file_of.values(), folder / "config.json"}):
-        if f.exists():
-            st = f.stat()
-            h.update(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns};".encode())
+    h = hashlib.sha256(model.checkpoint.fingerprint().encode())
     h.update(data.cpu().numpy().tobytes())
     h.update(f"{device.type}:{model.dtype}:{compute_dtype(device, model.dtype)}".encode())
     h.update(f"{torch.__version__}:{transformers.__version__}".encode())

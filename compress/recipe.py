@@ -69,18 +69,36 @@ class Export(_Strict):
 class Allocate(_Strict):
     """Each quantized linear's scheme chosen to a bits-per-weight budget (``compress.allocate``)."""
 
-    target_bpw: float = Field(gt=0)  # the whole model's, scales and zero-points counted as stored
-    candidates: list[str] = Field(default_factory=lambda: list(allocate.DEFAULT_CANDIDATES), min_length=1)
+    # the whole model's, scales and zero-points counted as stored; or a GGUF k-quant file type: its size
+    target_bpw: float | str
+    # None: allocate.DEFAULT_CANDIDATES, or GGUF_CANDIDATES for a recipe that exports GGUF k-quants
+    candidates: list[str] | None = Field(None, min_length=1)
     measure: Literal["fisher"] = "fisher"  # the predicted loss increase (compress/allocate.py)
     samples: int = Field(16, gt=0)  # calibration samples the costs are measured on
+
+    @field_validator("target_bpw")
+    @classmethod
+    def _target(cls, value):
+        if isinstance(value, str) and value.lower() in gguf_file.MIX_BASE:
+            return value.lower()
+        try:
+            bits = float(value)
+        except ValueError:
+            raise ValueError(
+                f"{value!r} is neither a number of bits per weight nor a GGUF k-quant type "
+                f"({', '.join(gguf_file.MIX_BASE)})"
+            ) from None
+        if not 0 < bits < float("inf"):
+            raise ValueError(f"give a positive number of bits per weight; got {value}")
+        return bits
 
     @field_validator("candidates")
     @classmethod
     def _candidates(cls, value):
-        for text in value:
-            allocate.parse_candidate(text)
-        if len(set(value)) != len(value):
-            raise ValueError("a candidate is listed twice")
+        if value is not None:
+            allocate.check_candidates(value)
+            if len(set(value)) != len(value):
+                raise ValueError("a candidate is listed twice")
         return value
 
 
@@ -113,8 +131,10 @@ class Recipe:
     def with_budget(self, target_bpw: float) -> Recipe:
         """This recipe with ``allocate.target_bpw`` set (``apply --target-bpw``): the recipe's own
         candidates, or the defaults."""
-        if not target_bpw > 0:
-            raise RecipeError(f"--target-bpw must be a positive number of bits per weight; got {target_bpw}")
+        try:
+            target_bpw = Allocate._target(target_bpw)
+        except ValueError as e:
+            raise RecipeError(f"--target-bpw: {e}") from None
         spec = (self.fields.allocate or Allocate(target_bpw=target_bpw)).model_copy(update={"target_bpw": target_bpw})
         fields = self.fields.model_copy(update={"allocate": spec})
         _check_allocate(fields, self.passes)
@@ -210,10 +230,20 @@ def parse(text: str, name: str = "recipe") -> Recipe:
 def _check_allocate(fields: _RecipeFields, passes: list[LayerPass]) -> None:
     if fields.allocate is None:
         return
-    if fields.export.format != "compressed-tensors":
+    spec, export = fields.allocate, fields.export
+    gguf = export.format == "gguf"
+    if gguf and export.type not in gguf_file.MIX_BASE:
         raise RecipeError(
-            "allocate: chooses integer schemes for the compressed-tensors export; drop export: {format: gguf} "
-            "(a GGUF type's own mix is set by export.type)"
+            f"allocate: a {export.type} GGUF file has one block type for every linear; allocate chooses among "
+            "k-quant types: export a k-quant type (e.g. type: q4_k_m) or drop export: {format: gguf}"
+        )
+    if spec.candidates is not None and allocate.check_candidates(spec.candidates) != gguf:
+        kind = "GGUF k-quant types (q2_k ... q6_k)" if gguf else "integer schemes (e.g. w4g128)"
+        raise RecipeError(f"allocate.candidates: this recipe exports {export.format}; its candidates are {kind}")
+    if isinstance(spec.target_bpw, str) and not gguf:
+        raise RecipeError(
+            f"allocate.target_bpw: {spec.target_bpw} is the size of a GGUF file; this recipe exports "
+            f"{export.format}: give a number of bits per weight"
         )
     if not any(p.rounds for p in passes):
         raise RecipeError("allocate: no pass of this recipe rounds weights to integers; add one (e.g. gptq)")
@@ -282,7 +312,8 @@ def stores(recipe: Recipe) -> str:
         if p.name == "qlora" and p.weight_bits:
             weights = "W-NF4"
         if rounding is not None and recipe.allocate is not None:
-            weights = f"W mixed {recipe.allocate.target_bpw} bpw"
+            budget = recipe.allocate.target_bpw
+            weights = f"W mixed, size of {budget.upper()}" if isinstance(budget, str) else f"W mixed {budget} bpw"
         if p.name == "smoothquant":
             inputs = "A8"
         elif p.name == "activations":

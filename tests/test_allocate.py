@@ -153,10 +153,16 @@ def test_a_budget_or_candidate_that_cannot_be_met_is_refused_before_compute(
         ("allocate: {target_bpw: 3, candidates: [w5g32]}\n" + GPTQ, "allocate.candidates: candidate 'w5g32'"),
         ("allocate: {target_bpw: 0}\n" + GPTQ, "allocate.target_bpw"),
         ("allocate: {target_bpw: 3}\npasses:\n  - wanda: {sparsity: 0.5}\n", "no pass of this recipe rounds"),
+        ("allocate: {target_bpw: 3}\n" + GPTQ + "export: {format: gguf, type: q4_0}\n", "has one block type"),
         (
-            "allocate: {target_bpw: 3}\n" + GPTQ + "export: {format: gguf, type: q4_0}\n",
-            "allocate: chooses integer schemes for the compressed-tensors export",
+            "allocate: {target_bpw: 3, candidates: [w4g32]}\npasses:\n  - gptq: {format: q4_k}\n"
+            "export: {format: gguf, type: q4_k_m}\n",
+            "its candidates are GGUF k-quant types",
         ),
+        ("allocate: {target_bpw: 3, candidates: [q4_k]}\n" + GPTQ, "its candidates are integer schemes"),
+        ("allocate: {target_bpw: 3, candidates: [q4_k, w4g32]}\n" + GPTQ, "mix GGUF k-quant types and integer"),
+        ("allocate: {target_bpw: q4_k_m}\n" + GPTQ, "q4_k_m is the size of a GGUF file"),
+        ("allocate: {target_bpw: q4_0}\n" + GPTQ, "neither a number of bits per weight nor a GGUF k-quant type"),
     ],
 )
 def test_a_bad_allocate_key_is_one_line_naming_it(text, message):
@@ -169,7 +175,7 @@ def test_the_command_line_refuses_a_bad_budget_with_exit_2(model_folder, tmp_pat
     import sys
 
     out = tmp_path / "out"
-    for budget, said in (("0", "positive"), ("abc", "not a number"), ("1.0", "below the smallest")):
+    for budget, said in (("0", "positive"), ("abc", "neither a number"), ("1.0", "below the smallest")):
         r = subprocess.run(
             [sys.executable, "-m", "compress", "apply", "gptq-w4", "--model", str(model_folder), "--output", str(out)]
             + ["--target-bpw", budget, "--no-eval", "--samples", "2"],

@@ -121,6 +121,30 @@ def test_a_k_quant_falls_back_where_rows_are_not_whole_super_blocks(gguf_type, f
     _assert_holds_the_export(*_export(folders["llama"], tmp_path, gguf_type), fallen)
 
 
+def test_an_allocation_to_the_size_of_a_k_quant_mix_is_written_as_chosen(folders, tmp_path, monkeypatch):
+    """``allocate: {target_bpw: q3_k_m}`` on k-quant candidates: each linear is written in the type
+    allocated to it, bit for bit what we evaluated, and the linears' bytes in the file are the
+    allocation's bits, within the bits of llama.cpp's own Q3_K_M mix of the same linears."""
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
+    own_out, own = _export(folders["wide"], tmp_path, "q3_k_m")
+    recipe = parse("allocate: {target_bpw: q3_k_m, samples: 2}\n" + RECIPE % (PASSES["q3_k_m"], "q3_k_m", ""))
+    out = tmp_path / "allocated"
+    allocation = apply(recipe, str(folders["wide"]), out, evaluate_after=False).allocation
+    _assert_holds_the_export(out, out / "model-q3_k_m.gguf", {t.upper(): n for t, n in allocation["counts"].items()})
+    ours_bits, weights = _linear_bits(out / "model-q3_k_m.gguf")
+    own_bits, _ = _linear_bits(own)
+    assert ours_bits / weights == pytest.approx(allocation["bits_per_weight"], abs=1e-12)
+    assert allocation["budget_bpw"] == pytest.approx(own_bits / weights, abs=1e-12)
+    assert ours_bits <= own_bits
+
+
+def _linear_bits(path) -> tuple[int, int]:
+    """Bits and weights of a file's quantized linears (not the token embedding or the output head)."""
+    tensors = [t for t in gguf.GGUFReader(path).tensors if t.tensor_type.name not in ("F32", "F16")]
+    tensors = [t for t in tensors if not t.name.startswith(("token_embd", "output."))]
+    return sum(int(t.n_bytes) * 8 for t in tensors), sum(int(t.n_elements) for t in tensors)
+
+
 def _assert_holds_the_export(out, path, types: dict[str, int]):
     """Every tensor of the file is the reloaded export's, bit for bit; its quantized ones are of ``types`` (count)."""
     ours = models.load(str(out), torch.float32).model  # the export (dense where only GGUF holds it), as evaluated

@@ -58,6 +58,16 @@ class Checkpoint:
                 out.update({k: st.get_slice(k).get_shape() for k in st.keys()})
         return out
 
+    def fingerprint(self) -> str:
+        """Path, size and modification time of every file and of ``config.json``: what a cache of
+        something computed from these weights keys on (a rewritten file changes its entry)."""
+        parts = []
+        for f in sorted({*self.file_of.values(), self.folder / "config.json"}):
+            if f.exists():
+                st = f.stat()
+                parts.append(f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns};")
+        return "".join(parts)
+
     def __contains__(self, key: str) -> bool:
         return key in self.file_of
 

@@ -2,7 +2,7 @@
 
 from .activations import Activations
 from .awq import AWQ
-from .base import LayerPass, ModelPass, PrunePass, RecipeError, WeightQuantPass
+from .base import LayerPass, ModelPass, PrunePass, RecipeError, WeightQuantPass, gguf_scheme, gguf_schemes
 from .blockwise import Blockwise
 from .distill import Distill
 from .gptq import GPTQ
@@ -36,4 +36,13 @@ PASSES = (
 )
 REGISTRY: dict[str, type[LayerPass]] = {cls.name: cls for cls in PASSES}
 
-__all__ = ["REGISTRY", "LayerPass", "ModelPass", "PrunePass", "RecipeError", "WeightQuantPass"]
+__all__ = [
+    "REGISTRY",
+    "LayerPass",
+    "ModelPass",
+    "PrunePass",
+    "RecipeError",
+    "WeightQuantPass",
+    "gguf_scheme",
+    "gguf_schemes",
+]

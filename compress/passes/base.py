@@ -274,7 +274,8 @@ def resolve_scheme(spec: QuantSpec, widths: dict[str, tuple[int, int]], where: s
     return scheme
 
 
-def _gguf_scheme(gguf_type: str, observer: str) -> QuantScheme:
+def gguf_scheme(gguf_type: str, observer: str) -> QuantScheme:
+    """The scheme of one GGUF type: a k-quant, or a legacy block type with float16 scales."""
     if gguf_type in kquant.TYPES:
         t = kquant.TYPES[gguf_type]
         return QuantScheme(t.bits, t.group, t.symmetric, observer=observer, format=gguf_type)
@@ -297,7 +298,7 @@ def gguf_schemes(scheme: QuantScheme, mix: str | None, widths: dict, where: str,
         if width % kquant.TYPES[chosen].super:
             chosen = fallen[name] = kquant.FALLBACK[chosen]
         if chosen != scheme.format:
-            out[name] = _gguf_scheme(chosen, scheme.observer)
+            out[name] = gguf_scheme(chosen, scheme.observer)
     if fallen:
         kinds = ", ".join(sorted(set(fallen.values())))
         warnings.warn(
