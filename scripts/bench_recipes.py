@@ -1,12 +1,15 @@
 """Benchmark recipes on the bundled models under the standard protocol; print a markdown table.
 
     python scripts/bench_recipes.py --models smollm2-135m gemma3-270m --recipes rtn-w8 rtn-w4
+    python scripts/bench_recipes.py --models smollm2-135m --recipes best-w3 best-w4 --target-bpw 3 3.5 4 --seeds 3
 
 Each recipe compresses in its own `compress apply --no-eval` process, so the time and peak RSS
 are per run. Then every export of a model is reloaded from disk (so what is scored is what was
 written) and scored on the same windows in one pass, with the dense reference run once.
 With ``--seeds N`` each recipe is compressed with calibration seeds 0..N-1 and its row gives
 mean ± standard deviation over them: single runs cannot rank two methods closer than that.
+With ``--target-bpw`` each recipe also runs allocated to each budget (``allocate``), a row each;
+the layer costs are measured once per model and seed and read back for the other budgets.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from pathlib import Path
 from compress import machine
 
 
-def compress(recipe: str, model: str, args, out: Path, seed: int | None) -> dict | None:
+def compress(recipe: str, model: str, args, out: Path, seed: int | None, budget: str | None = None) -> dict | None:
     if args.reuse and (out / "report.json").exists():  # compressed by an earlier run into --keep
         return {**json.loads((out / "report.json").read_text()), "output": str(out)}  # where it is now
     cmd = [
@@ -48,6 +51,8 @@ def compress(recipe: str, model: str, args, out: Path, seed: int | None) -> dict
         cmd += ["--calibration-dtype", args.calibration_dtype]
     if seed is not None:
         cmd += ["--seed", str(seed)]
+    if budget is not None:
+        cmd += ["--target-bpw", budget]
     result = subprocess.run(cmd, capture_output=True, text=True)
     if result.returncode != 0:  # one broken recipe should not cost the rest of the table
         print(f"FAILED: {' '.join(cmd)}\n{result.stderr[-3000:]}", file=sys.stderr, flush=True)
@@ -78,6 +83,10 @@ def score(model: str, reports: list[dict], args) -> None:
     torch.cuda.empty_cache() if torch.cuda.is_available() else None
 
 
+def _row_key(report: dict) -> tuple:
+    return report["recipe"], (report.get("allocation") or {}).get("target_bpw")
+
+
 def fmt(value, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
@@ -99,6 +108,12 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=2048)
     parser.add_argument("--samples", type=int, help="calibration samples (default: each recipe's)")
     parser.add_argument("--seeds", type=int, default=1, help="calibration seeds 0..N-1 per recipe: mean ± std")
+    parser.add_argument(
+        "--target-bpw",
+        nargs="+",
+        metavar="BITS",
+        help="also run each recipe allocated to each of these budgets (compress apply --target-bpw): one row each",
+    )
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument(
         "--calibration-dtype",
@@ -140,10 +155,13 @@ def main() -> None:
         root = Path(args.keep or tmp)
         for model in args.models:
             reports = []
-            for recipe in args.recipes:
+            runs = [(recipe, None) for recipe in args.recipes]
+            runs += [(recipe, budget) for recipe in args.recipes for budget in args.target_bpw or []]
+            for recipe, budget in runs:
                 for seed in range(args.seeds) if args.seeds > 1 else [None]:
-                    name = f"{model}-{Path(recipe).stem}" + (f"-seed{seed}" if seed is not None else "")
-                    r = compress(recipe, model, args, root / name, seed)
+                    name = f"{model}-{Path(recipe).stem}" + (f"-{budget}bpw" if budget else "")
+                    name += f"-seed{seed}" if seed is not None else ""
+                    r = compress(recipe, model, args, root / name, seed, budget)
                     if r is not None:
                         print(f"compressed: {name} in {r['compress_s']:.0f} s", file=sys.stderr, flush=True)
                         reports.append(r)
@@ -160,8 +178,8 @@ def main() -> None:
                 rows.append(
                     [model, "dense", "16", "", "", "", "", f"{reports[0]['eval']['ref_ppl']:.3f}", "0", "1.000", "", ""]
                 )
-            for recipe in dict.fromkeys(r["recipe"] for r in reports):  # one row per recipe, over its seeds
-                runs = [r for r in reports if r["recipe"] == recipe]
+            for key in dict.fromkeys(map(_row_key, reports)):  # one row per recipe and budget, over its seeds
+                runs = [r for r in reports if _row_key(r) == key]
                 r = runs[0]
                 rows.append(
                     [
