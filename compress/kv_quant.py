@@ -49,6 +49,7 @@ from typing import ClassVar
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .hadamard import matrix as hadamard_matrix
 from .state import State
 
 CONFIG_KEY = "compress_kv_cache"
@@ -64,7 +65,7 @@ class KVScheme(State, attr="kv_scheme"):
     pre_rope: bool = False  # keys quantized before the rotary embedding (KVQuant)
     key_group_size: int | None = None  # tokens sharing a key channel's scale; None: group_size
     fp8_key_scales: bool = False  # key scales in float8 e4m3, minima in 16 bits
-    rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot); head_dim a power of 2
+    rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot)
 
     holds_tensors: ClassVar[bool] = False
 
@@ -162,13 +163,8 @@ def quantize_keys(k: torch.Tensor, s: KVScheme):
 
 @functools.lru_cache(maxsize=8)
 def hadamard(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The orthonormal ``n × n`` Hadamard matrix (Sylvester's construction, ``n`` a power of 2)."""
-    if n < 1 or n & (n - 1):
-        raise ValueError(f"rotate_values needs a head dimension that is a power of 2, got {n}")
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return (h / n**0.5).to(dtype=dtype, device=device)
+    """The orthonormal ``n × n`` Hadamard matrix (``compress.hadamard``), kept for each head width."""
+    return hadamard_matrix(n, dtype, device)
 
 
 def quantize_values(v: torch.Tensor, s: KVScheme):

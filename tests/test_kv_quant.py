@@ -82,8 +82,8 @@ def test_rotated_values_spread_an_outlying_channel():
     torch.testing.assert_close(
         kv_quant.dequantize_values(quantize_values(v, lossless), v.shape, lossless), v, atol=0.1, rtol=0
     )
-    with pytest.raises(ValueError, match="power of 2"):
-        kv_quant.hadamard(12, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="no Hadamard construction known for width 6"):
+        kv_quant.hadamard(6, torch.float32, torch.device("cpu"))
 
 
 def test_bytes_per_token_counts_codes_scales_and_minima():
@@ -196,7 +196,7 @@ def test_bad_kv_options_are_refused(passes, message):
         recipe.passes[0].check(tiny("llama"))
 
 
-def test_rotated_values_need_a_power_of_2_head_dimension():
-    recipe = parse("passes:\n  - kv_cache: {bits: 2, group_size: 4, rotate_values: true}\n")
-    with pytest.raises(RecipeError, match=r"passes\[0\].kv_cache.rotate_values: .*power of 2, got 12; turn it off"):
-        recipe.passes[0].check(tiny("llama", hidden=48))  # head dimension 12
+def test_rotated_values_need_a_head_dimension_with_a_hadamard_matrix():
+    recipe = parse("passes:\n  - kv_cache: {bits: 2, group_size: 2, rotate_values: true}\n")
+    with pytest.raises(RecipeError, match=r"passes\[0\].kv_cache.rotate_values: .*known for width 6 .*turn it off"):
+        recipe.passes[0].check(tiny("llama", hidden=24))  # head dimension 6

@@ -25,7 +25,7 @@ class KVCacheOptions(PassOptions):
     pre_rope: bool = False  # keys quantized before the rotary embedding (KVQuant)
     key_group_size: int | None = Field(None, gt=0)  # tokens sharing a key channel's scale; default group_size
     fp8_key_scales: bool = False  # key scales in float8 e4m3, minima in 16 bits
-    rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot); head_dim a power of 2
+    rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot)
 
 
 class KVCachePass(LayerPass):
