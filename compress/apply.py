@@ -125,6 +125,8 @@ def _apply(
     loaded = run.open_model()
     model, tokenizer = loaded.model, loaded.tokenizer
     _check_model(run, model.model)
+    for p in recipe.passes:  # before anything reads a block: the allocation's costs, a whole-model load
+        p.prepare(model)
     calibration_dtype = calibration_dtype or recipe.calibration.dtype
     compute = _calibration_dtype(calibration_dtype, run.device)
     ev, cal = recipe.evaluation, recipe.calibration

@@ -15,6 +15,7 @@ a quantized KV cache is marked on the attention modules.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -51,6 +52,7 @@ class StreamedModel:
         self.quantized, self.adapter = quantized, adapter
         self.prefix = arch_of(model).layers + "."
         self.resident = set(range(len(self.layers))) if checkpoint is None else set()
+        self.on_read: Callable[[torch.nn.Module], None] | None = None  # each block as read (``rotate``)
 
     @property
     def layers(self) -> torch.nn.ModuleList:
@@ -71,6 +73,8 @@ class StreamedModel:
             yield block
             return
         self.read(block, f"{self.prefix}{i}.")
+        if self.on_read is not None:
+            self.on_read(block)
         try:
             yield block
         finally:

@@ -452,6 +452,8 @@ def run_passes(
     from .passes import ModelPass
 
     model = streamed(model)
+    for p in passes:
+        p.prepare(model)
     model_passes = [p for p in passes if isinstance(p, ModelPass)]
     layer_passes = [p for p in passes if not isinstance(p, ModelPass)]
     run_sequential(

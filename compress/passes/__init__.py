@@ -12,12 +12,14 @@ from .lorc import LoRC
 from .lowrank import LowRank
 from .magnitude import Magnitude
 from .qlora import QLoRA
+from .rotate import Rotate
 from .rtn import RTN
 from .smoothquant import SmoothQuant
 from .sparsegpt import SparseGPT
 from .wanda import Wanda
 
 PASSES = (
+    Rotate,
     RTN,
     GPTQ,
     AWQ,

@@ -77,6 +77,10 @@ class LayerPass:
     def check(self, model: torch.nn.Module) -> None:
         pass
 
+    def prepare(self, model) -> None:
+        """Before any block of the ``StreamedModel`` is read for calibration: a pass that changes the
+        model every reader sees (``rotate``) does it here. Called once per model."""
+
     def apply(self, block: torch.nn.Module, data, prefix: str) -> None:
         raise NotImplementedError
 

@@ -1,0 +1,107 @@
+"""Rotations fused into the weights: the rotated model computes what the original did."""
+
+import copy
+
+import pytest
+import torch
+
+from compress import models
+from compress.apply import apply
+from compress.passes import RecipeError
+from compress.recipe import parse
+from tests.conftest import compress_with, export_and_reload, tiny, tiny_folder
+
+PROBE = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+
+
+def _logits(model):
+    with torch.no_grad():
+        return model(PROBE).logits
+
+
+def _spread(model, outliers: float = 30.0):
+    """Norm weights far from 1 and an outlying residual channel: what makes folding and rotating matter."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + torch.rand(p.shape, generator=g))
+        model.get_input_embeddings().weight[:, 3] *= outliers
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("hidden", [64, 48])  # 48 = 12 × 4: a Paley base; head dimensions 16 and 12
+@pytest.mark.parametrize("kind", ["hadamard", "random_hadamard"])
+def test_a_rotated_model_gives_the_original_logits(family, hidden, kind):
+    model = _spread(tiny(family, hidden=hidden))
+    before = _logits(model)
+    embedding = model.get_input_embeddings().weight.clone()
+    compress_with(model, f"  - rotate: {{kind: {kind}}}\n")
+    torch.testing.assert_close(_logits(model), before, rtol=0, atol=2e-5 * before.abs().max().item())
+    assert not model.config.tie_word_embeddings
+    assert model.lm_head.weight is not model.get_input_embeddings().weight
+    rotated = model.get_input_embeddings().weight
+    assert rotated[:, 3].abs().max() < 0.5 * embedding[:, 3].abs().max()  # the outlying channel spread out
+
+
+def test_gemma3_rotates_its_values_and_refuses_its_residual_stream():
+    model = _spread(tiny("gemma3_text"))
+    before = _logits(model)
+    compress_with(model, "  - rotate: {residual: false}\n")
+    torch.testing.assert_close(_logits(model), before, rtol=0, atol=2e-5 * before.abs().max().item())
+    with pytest.raises(RecipeError, match="normalizes its output with a weight of its own"):
+        compress_with(tiny("gemma3_text"), "  - rotate: {}\n")
+
+
+def test_the_rotated_export_reloads_in_transformers_to_the_original_logits(tmp_path):
+    model = _spread(tiny("llama"))
+    before = _logits(model)
+    recipe = compress_with(model, "  - rotate: {kind: random_hadamard, seed: 3}\n")
+    reloaded = export_and_reload(model, recipe, tmp_path / "out")
+    torch.testing.assert_close(_logits(reloaded), before, rtol=0, atol=2e-5 * before.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, smollm2):
+    return tiny_folder(tmp_path_factory.mktemp("model"), smollm2.tokenizer, layers=2, weight_scale=3.0)
+
+
+def test_apply_rotates_each_block_as_read_and_later_passes_see_the_rotated_model(folder, tmp_path):
+    """Streamed from disk: a rotated dense export computes the original's logits; a rotated GPTQ
+    export is a different rounding of the same function."""
+    original = models.load(str(folder), torch.float32).model
+    rotated = tmp_path / "rotated"
+    apply(parse("passes:\n  - rotate: {}\n"), str(folder), rotated, "cpu", dtype="float32", evaluate_after=False)
+    reloaded = models.load(str(rotated), torch.float32).model
+    before = _logits(original)
+    torch.testing.assert_close(_logits(reloaded), before, rtol=0, atol=2e-5 * before.abs().max().item())
+    text = "calibration: {samples: 4, seqlen: 64}\npasses:\n  - rotate: {}\n  - gptq: {bits: 4, group_size: 16}\n"
+    report = apply(parse(text), str(folder), tmp_path / "gptq", "cpu", dtype="float32", evaluate_after=False)
+    assert "rotate" in report.method and "gptq" in report.method
+    quantized = models.load(str(tmp_path / "gptq"), torch.float32).model
+    assert not quantized.config.tie_word_embeddings
+    error = (_logits(quantized) - before).abs().mean()
+    assert 0 < error < 0.5 * before.abs().mean()
+
+
+@pytest.mark.parametrize(
+    ("passes", "message"),
+    [
+        ("  - rtn: {bits: 4}\n  - rotate: {}\n", "must come first"),
+        ("  - rotate: {residual: false, values: false}\n", "rotates nothing"),
+        ("  - rotate: {kind: learned}\n", "kind"),
+    ],
+)
+def test_a_misplaced_or_empty_rotation_is_refused_when_read(passes, message):
+    with pytest.raises(RecipeError, match=message):
+        parse("passes:\n" + passes)
+
+
+def test_a_width_with_no_hadamard_matrix_is_named():
+    with pytest.raises(RecipeError, match="the head dimension: no Hadamard construction known for width 6 "):
+        compress_with(tiny("llama", hidden=24), "  - rotate: {}\n")  # hidden 24 = 12 × 2, heads of 6
+    model = tiny("llama", hidden=24)
+    unchanged = copy.deepcopy(model)
+    compress_with(model, "  - rotate: {values: false}\n")  # the residual stream alone rotates
+    assert not torch.equal(model.lm_head.weight, unchanged.lm_head.weight)
