@@ -472,6 +472,8 @@ def run_passes(
     if not model_passes:
         return None
     teacher = load_teacher()
+    for p in layer_passes:  # the teacher as the student was before compression: rotated too (hidden-state losses)
+        p.prepare(streamed(teacher))
     for p in model_passes:
         p.apply_model(model.model, teacher, ids, device)
     if on_block is not None:

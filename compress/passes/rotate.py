@@ -154,6 +154,10 @@ class Rotate(LayerPass):
     def apply(self, block, data, prefix: str) -> None:
         """Nothing: the block was rotated as it was read (``prepare``)."""
 
+    def summary(self) -> str:
+        parts = [p for p, on in (("residual", self.options.residual), ("values", self.options.values)) if on]
+        return f"rotate {self.options.kind.replace('_', ' ')} ({' and '.join(parts)})"
+
 
 def _to(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return value.to(like.dtype)
