@@ -180,10 +180,9 @@ def choose(costs: list[list[float]], sizes: list[list[int]], capacity: int) -> l
 
 
 def stored_bits(scheme: QuantScheme, shape: tuple[int, int], scale_bits: int) -> int:
-    """Bits linear of (out, in) ``shape`` takes as the export stores it under ``scheme`` (a GGUF
-    legacy type: float16 scales, whatever the storage dtype)."""
+    """Bits linear of (out, in) ``shape`` takes as the export stores it under ``scheme``."""
     out_features, in_features = shape
-    scale_bits = 16 if scheme.fp16_scales else scale_bits
+    scale_bits = scheme.stored_scale_bits or scale_bits
     return round(scheme.bits_per_weight(in_features, scale_bits) * out_features * in_features)
 
 

@@ -126,8 +126,11 @@ class QuantScheme:
 
     @property
     def stored_scale_bits(self) -> int | None:
-        """Bits the format stores per scale (None: the storage dtype's)."""
-        return 8 if self.format in ("nvfp4", "mxfp4") else None
+        """Bits the format stores per scale (None: the storage dtype's); a GGUF file's float16 scales
+        count as the file stores them, whatever the storage dtype of the weights beside it."""
+        if self.format in ("nvfp4", "mxfp4"):
+            return 8
+        return 16 if self.fp16_scales else None
 
     def groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else in_features // self.group_size

@@ -121,19 +121,22 @@ def test_a_k_quant_falls_back_where_rows_are_not_whole_super_blocks(gguf_type, f
     _assert_holds_the_export(*_export(folders["llama"], tmp_path, gguf_type), fallen)
 
 
-def test_an_allocation_to_the_size_of_a_k_quant_mix_is_written_as_chosen(folders, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["wide", "llama"])  # k-quants throughout; llama.cpp's fallback types throughout
+def test_an_allocation_to_the_size_of_a_k_quant_mix_is_written_as_chosen(kind, folders, tmp_path, monkeypatch):
     """``allocate: {target_bpw: q3_k_m}`` on k-quant candidates: each linear is written in the type
     allocated to it, bit for bit what we evaluated, and the linears' bytes in the file are the
-    allocation's bits, within the bits of llama.cpp's own Q3_K_M mix of the same linears."""
+    allocation's bits and the report's, within the bits of llama.cpp's own Q3_K_M mix of the same linears."""
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
-    own_out, own = _export(folders["wide"], tmp_path, "q3_k_m")
+    own_out, own = _export(folders[kind], tmp_path, "q3_k_m")
     recipe = parse("allocate: {target_bpw: q3_k_m, samples: 2}\n" + RECIPE % (PASSES["q3_k_m"], "q3_k_m", ""))
     out = tmp_path / "allocated"
-    allocation = apply(recipe, str(folders["wide"]), out, evaluate_after=False).allocation
+    report = apply(recipe, str(folders[kind]), out, evaluate_after=False)
+    allocation = report.allocation
     _assert_holds_the_export(out, out / "model-q3_k_m.gguf", {t.upper(): n for t, n in allocation["counts"].items()})
     ours_bits, weights = _linear_bits(out / "model-q3_k_m.gguf")
     own_bits, _ = _linear_bits(own)
     assert ours_bits / weights == pytest.approx(allocation["bits_per_weight"], abs=1e-12)
+    assert report.bits_per_weight == pytest.approx(allocation["bits_per_weight"], abs=1e-12)
     assert allocation["budget_bpw"] == pytest.approx(own_bits / weights, abs=1e-12)
     assert ours_bits <= own_bits
 
