@@ -219,28 +219,29 @@ class Export:
         (every block goes through the same passes): ``int-quantized`` when any of its linears has
         int8 inputs (W8A8), and then every quantized linear is stored as int8, as before streaming."""
         if self.format is None:
-            w8a8 = any((act := input_quant_of(m)) is not None and act.format == "int" for m in module.modules())
-            self.format = compressed_tensors.export_format(qw.scheme, w8a8)
+            int_inputs = any((act := input_quant_of(m)) is not None and act.format == "int" for m in module.modules())
+            self.format = compressed_tensors.export_format(qw.scheme, int_inputs and qw.scheme.bits == 8)
         if compressed_tensors.export_format(qw.scheme, self.format == "int-quantized") != self.format:
             raise ExportError(
                 f"{name} is {qw.scheme.describe()} but an earlier linear is stored as {self.format}; "
                 "an export holds one weight format"
             )
         act = input_quant_of(linear)
-        if act is not None and act.format != "int":
-            w4afp8 = act.format == "fp8" and qw.scheme.format == "int" and qw.scheme.bits == 4 and qw.scheme.symmetric
-            if act.format != qw.scheme.format.removesuffix("_block") and not w4afp8:
+        if act is not None and (act.format != "int" or qw.scheme.bits < 8):
+            int4 = qw.scheme.format == "int" and qw.scheme.bits <= 4 and qw.scheme.symmetric
+            w4afp8 = act.format == "fp8" and int4 and qw.scheme.bits == 4
+            if act.format == "int" and not int4:
+                raise ExportError(
+                    f"{name} has int{act.bits} activations but {qw.scheme.describe()} weights; "
+                    "integer activations need symmetric int weights of at most 4 bits, or int8 (W8A8)"
+                )
+            if act.format not in ("int", qw.scheme.format.removesuffix("_block")) and not w4afp8:
                 raise ExportError(
                     f"{name} has {act.format} activations but {qw.scheme.describe()} weights; "
                     f"{act.format} activations need {act.format} weights (or, for fp8, symmetric int4)"
                 )
             return compressed_tensors.tensors(name, qw, self.format) | compressed_tensors.input_tensors(
                 name, act, InputScale.of(linear)
-            )
-        if act is not None and qw.scheme.bits != 8:
-            raise ExportError(
-                f"{name} has int8 activations but {qw.scheme.describe()} weights; "
-                "W8A8 needs 8-bit weights on the same linears"
             )
         if act is not None and self.format != "int-quantized":
             raise ExportError(

@@ -290,7 +290,7 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
             factored.CONFIG_KEY in config
             or config.get("quantization_config", {}).get("quant_method") == "bitsandbytes"
             or config.get("quantization_config", {}).get("kv_cache_scheme")
-            or _rounds_float_inputs(config.get("quantization_config", {}))
+            or _rounds_quantized_inputs(config.get("quantization_config", {}))
             or _mixed_weights(config.get("quantization_config", {}))
             or (where / "adapter" / "adapter_config.json").exists()
         ):
@@ -326,9 +326,10 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
     return model.eval()
 
 
-def _rounds_float_inputs(qconfig: dict) -> bool:
-    """Quantized inputs other than W8A8's int8: transformers' dequantizing load drops them, so the
-    model would score as if its activations were 16-bit; our reader rounds them as served."""
+def _rounds_quantized_inputs(qconfig: dict) -> bool:
+    """Quantized inputs other than W8A8's (FP8, FP4, int W4A8 / W4A4): transformers' dequantizing load
+    drops them, so the model would score as if its activations were 16-bit; our reader rounds them
+    as served."""
     return qconfig.get("format") != "int-quantized" and any(
         group.get("input_activations") for group in qconfig.get("config_groups", {}).values()
     )

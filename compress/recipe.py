@@ -317,7 +317,7 @@ def stores(recipe: Recipe) -> str:
         if p.name == "smoothquant":
             inputs = "A8"
         elif p.name == "activations":
-            inputs = f"A-{_FLOAT_NAMES[o.format]}"
+            inputs = f"A{o.bits}" if o.format == "int" else f"A-{_FLOAT_NAMES[o.format]}"
         elif p.name == "kv_cache":
             extra.append(f"KV{o.bits}")
         elif p.name == "kv_fp8":

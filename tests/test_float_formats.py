@@ -117,6 +117,10 @@ def test_nvfp4_shares_one_global_scale_across_linears_that_read_one_input():
         ("  - rtn: {bits: 4, symmetric: false}\n  - activations: {format: fp8}\n", "or symmetric int4"),
         ("  - rtn: {format: nvfp4}\n  - activations: {format: nvfp4, static: true}\n", "strategy and static are fp8's"),
         ("  - rtn: {format: fp8}\n  - activations: {static: true}\n", "set strategy: tensor"),
+        ("  - rtn: {bits: 8, symmetric: true}\n  - activations: {format: int}\n", "int8 weights: smoothquant"),
+        ("  - rtn: {bits: 4, symmetric: false}\n  - activations: {format: int}\n", "symmetric int weights"),
+        ("  - rtn: {format: fp8}\n  - activations: {bits: 4}\n", "bits is for int activations"),
+        ("  - rtn: {bits: 4, symmetric: true}\n  - activations: {format: int, static: true}\n", "per token"),
     ],
 )
 def test_float_formats_refuse_what_does_not_fit_them(text, message):
@@ -160,11 +164,14 @@ def test_fp8_dynamic_activations_are_simulated_exported_and_reloaded_as_evaluate
         ("  - rtn: {format: mxfp4}\n  - activations: {format: mxfp4}\n", "MXFP4"),
         ("  - rtn: {format: fp8}\n  - activations: {format: fp8, strategy: tensor, static: true}\n", "FP8"),
         ("  - rtn: {bits: 4, symmetric: true}\n  - activations: {format: fp8}\n", "W4AFP8"),
+        ("  - rtn: {bits: 4, symmetric: true}\n  - activations: {format: int}\n", "W4A8"),
+        ("  - rtn: {bits: 4, symmetric: true}\n  - activations: {format: int, bits: 4}\n", "W4A4"),
     ],
 )
 def test_quantized_activations_export_as_the_preset_and_reload_to_our_logits(passes, preset, tmp_path):
-    """W4A4 (NVFP4, MXFP4), static FP8 and W4AFP8: the calibrated scale is stored, the config's input
-    arguments are the preset's, and transformers and our streamed reader compute our logits."""
+    """W4A4 (NVFP4, MXFP4, int), static FP8, W4AFP8 and W4A8: the calibrated scale is stored, the
+    config's input arguments are the preset's, and transformers and our streamed reader compute
+    our logits."""
     from compressed_tensors.quantization.quant_scheme import PRESET_SCHEMES
 
     from compress.quant import InputScale

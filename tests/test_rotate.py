@@ -62,6 +62,22 @@ def test_the_rotated_export_reloads_in_transformers_to_the_original_logits(tmp_p
     torch.testing.assert_close(_logits(reloaded), before, rtol=0, atol=2e-5 * before.abs().max().item())
 
 
+def test_int4_activations_lose_less_after_a_rotation_on_an_outlying_channel():
+    """QuaRot's point: one channel 100× the rest sets every token's int4 scale, so the other channels
+    round to a few levels; spread over all channels by R1, the same rounding loses far less."""
+    reference = _logits(_spread(tiny("llama"), 100.0))
+
+    def kl_with(passes: str) -> float:
+        model = _spread(tiny("llama"), 100.0)
+        compress_with(model, passes + "  - activations: {format: int, bits: 4}\n")
+        logp = torch.log_softmax(_logits(model), -1)
+        return torch.nn.functional.kl_div(logp, torch.log_softmax(reference, -1), log_target=True).item()
+
+    rtn = "  - rtn: {bits: 4, symmetric: true, group_size: 16}\n"
+    plain, rotated = kl_with(rtn), kl_with("  - rotate: {}\n" + rtn)
+    assert rotated < 0.5 * plain, (rotated, plain)
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory, smollm2):
     return tiny_folder(tmp_path_factory.mktemp("model"), smollm2.tokenizer, layers=2, weight_scale=3.0)

@@ -156,9 +156,10 @@ def config(
             targets=["Linear"] if single else names,
             weights=weight_args(scheme),
             input_activations=_activation_args(act) if act else None,
-            # float groups name their layout, as llm-compressor writes them (integer exports keep theirs
-            # unnamed, but for float inputs: compressed-tensors would guess a float layout for W4AFP8)
-            format=fmt if fmt in FLOAT_FORMATS.values() or (act and act.format != "int") else None,
+            # float groups name their layout, as llm-compressor writes them; integer exports keep theirs
+            # unnamed unless they have quantized inputs besides W8A8's: compressed-tensors would guess
+            # a float layout for W4AFP8 and int8 storage (W8A8's) for W4A8 / W4A4
+            format=fmt if fmt in FLOAT_FORMATS.values() or (act and fmt != "int-quantized") else None,
         )
         for i, ((scheme, act), names) in enumerate(by_scheme.items())
     }

@@ -9,6 +9,10 @@ it, so that evaluation measures the model the server runs.
 - ``format: nvfp4``: E2M1 with a dynamic FP8 scale per 16 values under a global scale calibrated
   here (compressed-tensors' ``NVFP4``, W4A4 with NVFP4 weights).
 - ``format: mxfp4``: E2M1 with a dynamic power-of-two scale per 32 values (``MXFP4``, with MXFP4 weights).
+- ``format: int``: symmetric integers (``bits`` 8 or 4) with a dynamic scale per token, after
+  symmetric integer weights: compressed-tensors' ``W4A8`` / ``W4A4`` with int4 weights (``W8A8``
+  itself is ``smoothquant``'s). Outlier channels decide each token's scale, so below 8 bits this
+  wants a ``rotate`` pass first (QuaRot).
 
 Evaluation simulates the rounding exactly (``quant.fake_quantize_activation``, a pre-hook); the
 export names it as ``input_activations`` and stores the calibrated scale beside the weights.
@@ -26,11 +30,17 @@ from ..quant import ActivationScheme, InputScale
 from .base import LinearOptions, LinearPass
 
 # activation format -> the weight grids it runs with (one kernel, one export format)
-WEIGHTS_FOR = {"fp8": "fp8 weights, or symmetric int4 (W4AFP8)", "nvfp4": "nvfp4 weights", "mxfp4": "mxfp4 weights"}
+WEIGHTS_FOR = {
+    "fp8": "fp8 weights, or symmetric int4 (W4AFP8)",
+    "nvfp4": "nvfp4 weights",
+    "mxfp4": "mxfp4 weights",
+    "int": "symmetric int weights of 2 to 4 bits (W4A8, W4A4; int8 weights: smoothquant)",
+}
 
 
 class ActivationOptions(LinearOptions):
-    format: Literal["fp8", "nvfp4", "mxfp4"] = "fp8"
+    format: Literal["fp8", "nvfp4", "mxfp4", "int"] = "fp8"
+    bits: Literal[4, 8] = 8  # int: the integers' width (fp8 is 8 bits, nvfp4 and mxfp4 4)
     # fp8: a scale per token, per token and group of 128 values (with fp8_block weights), or one per tensor
     strategy: Literal["token", "group", "tensor"] = "token"
     static: bool = False  # fp8, per tensor: one scale calibrated on the calibration data
@@ -39,7 +49,10 @@ class ActivationOptions(LinearOptions):
     def _one_way(self):
         fields = self.model_fields_set
         if self.format != "fp8" and fields & {"strategy", "static"}:
-            raise ValueError(f"{self.format} activations have a dynamic scale per group; strategy and static are fp8's")
+            what = "per token" if self.format == "int" else "per group"
+            raise ValueError(f"{self.format} activations have a dynamic scale {what}; strategy and static are fp8's")
+        if self.format != "int" and "bits" in fields:
+            raise ValueError(f"bits is for int activations; {self.format} has its own width")
         if self.static and self.strategy == "token":
             raise ValueError("a static scale is one per tensor; with static: true set strategy: tensor")
         return self
@@ -61,6 +74,8 @@ class _LargestInput:
 def _fits(scheme: ActivationScheme, weights) -> bool:
     if weights is None:
         return False
+    if scheme.format == "int":  # W4A8, W4A4: the int8 case with int8 weights is SmoothQuant's W8A8
+        return weights.format == "int" and weights.bits <= 4 and weights.symmetric
     if scheme.format == "fp8":  # FP8 weights, or W4AFP8
         return weights.format in ("fp8", "fp8_block") or (
             weights.format == "int" and weights.bits == 4 and weights.symmetric
@@ -79,8 +94,8 @@ class Activations(LinearPass):
         fmt = options.format
         group = {"nvfp4": 16, "mxfp4": 32}.get(fmt, 128 if options.strategy == "group" else None)
         self.scheme = ActivationScheme(
-            8 if fmt == "fp8" else 4,
-            per_token=fmt == "fp8" and options.strategy == "token",
+            options.bits if fmt == "int" else 8 if fmt == "fp8" else 4,
+            per_token=fmt == "int" or (fmt == "fp8" and options.strategy == "token"),
             format=fmt,
             static=options.static,
             group_size=group,
