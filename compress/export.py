@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from . import factored, kv_quant, moe
+from . import factored, hadamard, kv_quant, moe
 from .formats import bitsandbytes, compressed_tensors, gguf_file, peft_adapter
 from .formats.safetensors import MAX_SHARD_BYTES, ExportError, ShardWriter, umask
 from .kv_fp8 import KVScale
@@ -206,6 +206,7 @@ class Export:
         # (W8A8), or a float one
         self.format: str | None = None
         self.fp8_kv_cache = False  # attentions with FP8 KV-cache scales: the config names the kv_cache_scheme
+        self.rotations: dict[str, int] = {}  # linears whose inputs are rotated online -> the rotation's block
         self.totals = Totals()
         # linears that only GGUF can hold (k-quants): dense in the folder, their integers kept for the
         # GGUF file in a scratch folder (``gguf_file.CODES``) until it is written
@@ -291,6 +292,8 @@ class Export:
                 self.loras[name] = lora
             if (kv := KVScale.of(m)) is not None:
                 kv_scales[name] = kv
+            if hadamard.InputRotation.of(m) is not None:
+                self.rotations[name] = hadamard.block_size(m.in_features)
         seen = set()
         renames = moe.checkpoint_renames(module, prefix)  # tensors named as the family's checkpoints name them
         for router in moe.routers(module, prefix):  # dense, and listed so that vLLM leaves it so
@@ -347,7 +350,9 @@ class Export:
             config = model.config.to_dict()
             config.pop("auto_map", None)  # code references: an export runs no code from a repository
             config.pop("quantization_config", None)
-            qconfig = compressed_tensors.config(self.linears, self.format or "pack-quantized", self.fp8_kv_cache)
+            qconfig = compressed_tensors.config(
+                self.linears, self.format or "pack-quantized", self.fp8_kv_cache, self.rotations
+            )
             if self.rounded_4bit:
                 qconfig = self._bitsandbytes_config(qconfig, model.dtype)
             if qconfig is not None:

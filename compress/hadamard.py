@@ -7,14 +7,22 @@ so ``matrix(n)`` is ``H_m ⊗ H_{2^k}``: Sylvester's construction for the power 
 ``m`` (I: ``m - 1`` a prime ≡ 3 mod 4; II: ``m / 2 - 1`` a prime ≡ 1 mod 4), as QuaRot's
 hard-coded bases are. ``transform(x)`` applies it in ``O(n log n + n m)`` without the ``n × n``
 matrix: a fast Walsh–Hadamard transform over the power of two, a small product over ``m``.
+
+An online rotation (one applied to activations at run time, which a server must reproduce) uses
+``block_matrix(n)`` instead: Sylvester's matrix on each block of ``block_size(n)`` channels, the
+largest power of two dividing ``n``; compressed-tensors' ``hadamard`` transform with that
+``head_dim`` is the same matrix, so vLLM applies what we evaluated.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from typing import ClassVar
 
 import torch
+
+from .state import State
 
 
 def _is_prime(p: int) -> bool:
@@ -88,6 +96,23 @@ def matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | st
     return (torch.kron(h, sylvester) / math.sqrt(n)).to(device=device, dtype=dtype)
 
 
+def block_size(n: int) -> int:
+    """The largest power of two dividing ``n``: the block of ``block_matrix(n)``."""
+    return n & -n
+
+
+def block_matrix(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``I_{n/p} ⊗ H_p / √p``, ``p = block_size(n)``: an orthonormal Hadamard rotation of each block."""
+    p = block_size(n)
+    return torch.kron(torch.eye(n // p, dtype=torch.float64), matrix(p, torch.float64)).to(device=device, dtype=dtype)
+
+
+def block_transform(x: torch.Tensor) -> torch.Tensor:
+    """``x @ block_matrix(n)`` over the last dimension, by a fast Walsh–Hadamard transform per block."""
+    p = block_size(x.shape[-1])
+    return transform(x.unflatten(-1, (-1, p))).flatten(-2)
+
+
 def random_signs(n: int, seed: int) -> torch.Tensor:
     """``n`` seeded random ±1 (float32): ``diag(signs) @ matrix(n)`` is a random Hadamard rotation."""
     g = torch.Generator().manual_seed(seed)
@@ -111,3 +136,32 @@ def transform(x: torch.Tensor) -> torch.Tensor:
     if m > 1:  # (H_m ⊗ H_p) on a row laid out (m, p): H_mᵀ Y H_p
         y = torch.einsum("ij,...ik->...jk", _base(m).to(device=y.device, dtype=y.dtype), y)
     return (y / math.sqrt(n)).reshape(x.shape)
+
+
+class InputRotation(State, attr="input_rotation"):
+    """A linear that reads its input rotated at run time by ``block_matrix`` (QuaRot's online
+    Hadamard before ``down_proj``): its weight holds ``W @ block_matrix(n)``, so it computes what it
+    did, while the input that an activation scheme rounds next has no outlying channel. The rotation
+    runs before any other pre-hook (rounding, observing); an export names it as compressed-tensors'
+    ``hadamard`` transform, which vLLM applies."""
+
+    holds_tensors: ClassVar[bool] = False  # a hook, not tensors: it stays as long as the module
+
+    def attach(self, module: torch.nn.Module) -> None:
+        if InputRotation.of(module) is None:
+            module.register_forward_pre_hook(_rotate_input, prepend=True)
+        super().attach(module)
+
+    def saved(self):
+        return {}, {}
+
+    @classmethod
+    def restored(cls, tensors, meta):
+        return cls()
+
+
+def _rotate_input(module: torch.nn.Module, args: tuple):
+    if InputRotation.of(module) is None:  # dropped
+        return None
+    x = args[0]
+    return (block_transform(x.float()).to(x.dtype), *args[1:])  # float32, as compressed-tensors rotates

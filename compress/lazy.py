@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from . import factored, kv_fp8, kv_quant, moe
+from . import factored, hadamard, kv_fp8, kv_quant, moe
 from .arch import arch_of, decoder_layers
 from .formats import bitsandbytes, compressed_tensors, peft_adapter
 from .formats.safetensors import Checkpoint, CheckpointError
@@ -218,7 +218,10 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
         factored.install(model, ranks)
     checkpoint, method = Checkpoint(where), qconfig and qconfig.get("quant_method")
     if method == "compressed-tensors":
-        quantized = compressed_tensors.Reader(qconfig)
+        try:
+            quantized = compressed_tensors.Reader(qconfig)
+        except ValueError as e:
+            raise CheckpointError(f"{where}: {e}") from None
     elif method == "bitsandbytes":
         quantized = bitsandbytes.Reader(qconfig, checkpoint)
     elif qconfig is not None:
@@ -249,8 +252,16 @@ def open_model(where: Path, dtype: torch.dtype, trust_remote_code: bool = False)
 
 
 def _quantize_inputs(model: torch.nn.Module, quantized: compressed_tensors.Reader) -> None:
-    """Exports with quantized inputs (W8A8, FP8, W4AFP8, NVFP4, MXFP4): their linears see them rounded
-    as our evaluation simulated them before export (calibrated scales are read with the blocks)."""
+    """Exports with quantized inputs (W8A8, FP8, W4AFP8, NVFP4, MXFP4, W4A8, W4A4) or inputs rotated
+    online: their linears see them rotated and rounded as our evaluation did before export
+    (calibrated scales are read with the blocks)."""
     for name, module in model.named_modules():
+        if name in quantized.rotations:
+            if quantized.rotations[name] != hadamard.block_size(module.in_features):
+                raise CheckpointError(
+                    f"{name}: a Hadamard block of {quantized.rotations[name]}; we write and read "
+                    f"the largest power of two dividing its width, {hadamard.block_size(module.in_features)}"
+                )
+            hadamard.InputRotation().attach(module)
         if (scheme := quantized.input_scheme(name, module)) is not None:
             scheme.attach(module)

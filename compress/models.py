@@ -279,7 +279,7 @@ def _tokenizer(where, trust_remote_code: bool, local_only: bool):
 def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = False, local_only: bool = True):
     """The model alone, whole, in eval mode (for decoding). Factored exports, exports with a LoRA
     adapter, bitsandbytes 4-bit exports, exports with an FP8 KV cache (which transformers 5.24
-    runs unrounded, docs/formats.md), float-quantized inputs or several weight schemes are read as
+    runs unrounded, docs/formats.md), quantized or rotated inputs or several weight schemes are read as
     ``lazy`` reads them; the rest through transformers, so that W8A8 linears carry compressed-tensors'
     attributes, which the int8 decode kernels read."""
     from transformers import AutoModelForCausalLM
@@ -291,6 +291,7 @@ def load_model(where: str | Path, dtype: torch.dtype, trust_remote_code: bool = 
             or config.get("quantization_config", {}).get("quant_method") == "bitsandbytes"
             or config.get("quantization_config", {}).get("kv_cache_scheme")
             or _rounds_quantized_inputs(config.get("quantization_config", {}))
+            or config.get("quantization_config", {}).get("transform_config")  # transformers applies none
             or _mixed_weights(config.get("quantization_config", {}))
             or (where / "adapter" / "adapter_config.json").exists()
         ):

@@ -37,3 +37,21 @@ def test_a_width_with_no_known_construction_is_named(n):
     assert not hadamard.supported(n)
     with pytest.raises(ValueError, match=f"no Hadamard construction known for width {n} "):
         hadamard.matrix(n)
+
+
+@pytest.mark.parametrize("n", [64, 576, 1536, 2048, 6])
+def test_the_online_block_rotation_is_compressed_tensors_hadamard_transform(n):
+    """``block_matrix`` is compressed-tensors' ``hadamard`` transform with ``head_dim`` the largest
+    power of two dividing the width, so vLLM rotates inputs as we evaluated them; any even width
+    has one (6 = 3 × 2, which has no full-width construction)."""
+    from compressed_tensors.transform import TransformArgs, TransformFactory, TransformScheme
+
+    p = hadamard.block_size(n)
+    scheme = TransformScheme(type="hadamard", head_dim=p, apply=[TransformArgs(targets=["Linear"], location="input")])
+    linear = torch.nn.Linear(n, 3)
+    theirs = TransformFactory.from_scheme(scheme, name="r4").create_transform(linear, scheme.apply[0])
+    x = torch.randn(5, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+    ours = x @ hadamard.block_matrix(n, torch.float64)
+    torch.testing.assert_close(theirs(x.float()).double(), ours, atol=1e-5, rtol=0)
+    torch.testing.assert_close(hadamard.block_transform(x), ours, atol=1e-12, rtol=0)
+    torch.testing.assert_close(ours @ ours.T, x @ x.T, atol=1e-9, rtol=0)

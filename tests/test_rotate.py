@@ -62,6 +62,55 @@ def test_the_rotated_export_reloads_in_transformers_to_the_original_logits(tmp_p
     torch.testing.assert_close(_logits(reloaded), before, rtol=0, atol=2e-5 * before.abs().max().item())
 
 
+@pytest.mark.parametrize(
+    "family,options",
+    [
+        ("llama", "{down: true}"),
+        ("qwen2", "{down: true, kind: random_hadamard}"),
+        ("gemma3_text", "{residual: false, down: true}"),
+    ],
+)
+def test_the_online_down_rotation_gives_the_original_logits_and_reloads_everywhere_to_ours(family, options, tmp_path):
+    """R4: down_proj's weight holds W R4 and its input is rotated at run time. The export names the
+    rotation as compressed-tensors' hadamard transform: our reader, our decoder and transformers
+    with compressed-tensors' ``apply_transform_config`` compute our logits and tokens."""
+    import json
+
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+
+    from compress import hadamard, lazy
+    from compress.decode import greedy
+    from compress.decode.engine import Engine
+
+    model = _spread(tiny(family))
+    before = _logits(model)
+    recipe = compress_with(model, f"  - rotate: {options}\n")
+    down = model.model.layers[0].mlp.down_proj
+    assert hadamard.InputRotation.of(down) is not None
+    torch.testing.assert_close(_logits(model), before, rtol=0, atol=2e-5 * before.abs().max().item())
+    reloaded = export_and_reload(model, recipe, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    (group,) = config["transform_config"]["config_groups"].values()
+    assert group["type"] == "hadamard" and group["head_dim"] == hadamard.block_size(down.in_features)
+    assert group["apply"][0]["location"] == "input" and len(group["apply"][0]["targets"]) == 2
+    apply_transform_config(reloaded, TransformConfig.model_validate(config["transform_config"]))
+    streamed = lazy.open_model(tmp_path / "out", torch.float32).load_all()
+    whole = models.load_model(tmp_path / "out", torch.float32)
+    ours = _logits(model)
+    for other in (reloaded, streamed, whole):
+        torch.testing.assert_close(_logits(other), ours, rtol=0, atol=1e-5 * ours.abs().max().item())
+    prompt = PROBE[:1]
+    tokens = greedy(Engine(whole, kernel="fp32"), prompt, 12).tokens
+    expected = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, prompt.shape[1] :]
+    assert tokens == expected.tolist()
+
+
+def test_the_online_down_rotation_refuses_passes_that_fold_into_it():
+    with pytest.raises(RecipeError, match="drop down: true or that pass"):
+        parse("passes:\n  - rotate: {down: true}\n  - awq: {bits: 4}\n")
+    parse("passes:\n  - rotate: {down: true}\n  - gptq: {bits: 4}\n  - activations: {format: int, bits: 4}\n")
+
+
 def test_int4_activations_lose_less_after_a_rotation_on_an_outlying_channel():
     """QuaRot's point: one channel 100× the rest sets every token's int4 scale, so the other channels
     round to a few levels; spread over all channels by R1, the same rounding loses far less."""

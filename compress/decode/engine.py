@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .. import USER_INDUCTOR_CACHE, kv_quant
+from .. import USER_INDUCTOR_CACHE, hadamard, kv_quant
 from ..models import cache_dir
 from . import choice, kernels, native, onednn, steps
 from .attention import Attention
@@ -77,6 +77,7 @@ class Layer:
     k_norm: Norm | None
     window: int | None  # sliding-window attention: keys within this many positions
     rotary: str  # which rotary table
+    down_rotated: bool = False  # down_proj reads its input rotated online (``rotate: {down: true}``)
 
 
 def _linears(layer) -> dict[str, list]:
@@ -316,7 +317,10 @@ class Engine:
             h = layer.o(attn.transpose(0, 1).reshape(count, self.q_size), static)
             x = x + (layer.post_attn_norm(h) if layer.post_attn_norm is not None else h)
             gate, up = layer.gate_up(layer.mlp_norm(x), static).chunk(2, -1)
-            h = layer.down(self.act(gate) * up, static)
+            h = self.act(gate) * up
+            if layer.down_rotated:  # a fast Walsh-Hadamard transform, in float32 as the export's hook does it
+                h = hadamard.block_transform(h.float()).to(h.dtype)
+            h = layer.down(h, static)
             x = x + (layer.post_mlp_norm(h) if layer.post_mlp_norm is not None else h)
             if exit_when is not None and exit_when(i, before, x):
                 exited = i
@@ -375,6 +379,7 @@ def _layer(config, i: int, layer, matmuls: dict[str, kernels.Matmul], dtype: tor
         k_norm=_norm(getattr(a, "k_norm", None), dtype, gemma),
         window=window,
         rotary=config.layer_types[i] if gemma else "default",
+        down_rotated=hadamard.InputRotation.of(layer.mlp.down_proj) is not None,
     )
 
 

@@ -133,12 +133,17 @@ def _float_tensors(name: str, qw: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 
 def config(
-    linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None], fmt: str, fp8_kv_cache: bool = False
+    linears: dict[str, tuple[QuantScheme, ActivationScheme | None] | None],
+    fmt: str,
+    fp8_kv_cache: bool = False,
+    rotations: dict[str, int] | None = None,
 ) -> dict | None:
     """compressed-tensors config: one group per distinct scheme, every other linear ignored.
     ``linears`` maps each linear's name to its (weight, input) schemes, None when dense; with
     ``fp8_kv_cache`` the ``kv_cache_scheme`` of an FP8 cache with static per-layer scales
-    (``compress/kv_fp8.py``), the only entry when no linear is quantized (format ``dense``)."""
+    (``compress/kv_fp8.py``); ``rotations`` maps the linears whose inputs are rotated online
+    (``hadamard.InputRotation``) to the rotation's block, written as ``transform_config``. Either
+    may be the only entry, when no linear is quantized (format ``dense``)."""
     import compressed_tensors
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
@@ -148,7 +153,7 @@ def config(
     for name, schemes in linears.items():
         if schemes is not None:
             by_scheme.setdefault(schemes, []).append(name)
-    if not by_scheme and not fp8_kv_cache:
+    if not by_scheme and not fp8_kv_cache and not rotations:
         return None
     single = len(by_scheme) == 1
     groups = {
@@ -176,9 +181,40 @@ def config(
         quant_method="compressed-tensors",
         version=compressed_tensors.__version__,
         sparsity_config={},
-        transform_config={},
+        transform_config=_transforms(rotations or {}),
     )
     return data
+
+
+def _transforms(rotations: dict[str, int]) -> dict:
+    """Online input rotations as compressed-tensors' ``hadamard`` transforms: Sylvester's matrix on
+    blocks of ``head_dim`` input channels, applied before the linear (the weights hold the rest)."""
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+
+    by_block: dict[int, list[str]] = {}
+    for name, block in rotations.items():
+        by_block.setdefault(block, []).append(name)
+    groups = {
+        f"online_{block}": TransformScheme(
+            type="hadamard", head_dim=block, apply=[TransformArgs(targets=names, location="input")]
+        )
+        for block, names in by_block.items()
+    }
+    return TransformConfig(config_groups=groups).model_dump(mode="json") if groups else {}
+
+
+def rotations_of(qconfig: dict) -> dict[str, int]:
+    """``_transforms`` read back: each linear rotated online, with its block; only the layout we write."""
+    out = {}
+    for group in ((qconfig.get("transform_config") or {}).get("config_groups") or {}).values():
+        for args in group.get("apply", []):
+            if group.get("type") != "hadamard" or args.get("location") != "input" or args.get("inverse"):
+                raise ValueError(
+                    f"a {group.get('type')} transform at {args.get('location')}: our reader applies hadamard "
+                    "rotations of linear inputs only (vLLM reads the rest)"
+                )
+            out.update({name: group["head_dim"] for name in args["targets"]})
+    return out
 
 
 class Reader:
@@ -195,6 +231,7 @@ class Reader:
         self.groups = list(config.config_groups.values())
         # an FP8 KV cache (``kv_cache_scheme``): each attention stores ``k_scale`` and ``v_scale``
         self.fp8_kv_cache = config.kv_cache_scheme is not None
+        self.rotations = rotations_of(qconfig)  # linears whose inputs are rotated online -> block
 
     def scheme_of(self, name: str, module: torch.nn.Module):
         """The compressed-tensors scheme of linear ``name``, None when it is stored dense."""

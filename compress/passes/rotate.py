@@ -14,15 +14,23 @@ its rows (``random_hadamard``: ``diag(±1) H``, QuaRot's choice). Nothing is add
 the export is a plain model (with its own head where the embedding was tied: the head holds
 ``H diag(w_final) R1``, the embedding ``E R1``).
 
+``down: true`` adds QuaRot's one online rotation, ``R4``: ``down_proj``'s input (the product of
+the gate and up projections, whose outliers no fused rotation reaches) is rotated at run time by
+a Hadamard matrix on blocks of the largest power of two dividing its width
+(``hadamard.InputRotation``), and ``down_proj``'s weight holds ``W R4``. It is what 4-bit
+activations need; an export names it as compressed-tensors' ``hadamard`` transform (vLLM applies
+it; our reader and decoder do too, transformers does not). Passes that fold scales between
+``up_proj`` and ``down_proj`` (``awq``, ``smoothquant``) cannot follow it.
+
 Every block is rotated as it is read (``StreamedModel.on_read``), so everything that reads a
 block sees the rotated model: the later passes' statistics, the allocation's costs, the block
 GPTAQ compares with, a resumed run. ``rotate`` is therefore the recipe's first pass, and does
 nothing in the sweep itself.
 
-Not yet: online rotations (queries and keys before a quantized KV cache, the input of
-``down_proj``), learned rotations (SpinQuant), Gemma-3's residual stream (each block's output
-passes a norm with its own weight before it is added to the stream, so no rotation of the stream
-can be folded into the weights; its values rotate), mixture-of-experts blocks.
+Not yet: online rotations of queries and keys (before a quantized KV cache), learned rotations
+(SpinQuant), Gemma-3's residual stream (each block's output passes a norm with its own weight
+before it is added to the stream, so no rotation of the stream can be folded into the weights;
+its values and ``down_proj``'s input rotate), mixture-of-experts blocks.
 """
 
 from __future__ import annotations
@@ -40,12 +48,14 @@ if TYPE_CHECKING:
 
 RESIDUAL_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # norms before each linear group, none after
 VALUES_FAMILIES = (*RESIDUAL_FAMILIES, "gemma3_text", "gemma3")
+FOLDS_INTO_DOWN = ("awq", "smoothquant")  # scale up_proj's output rows and down_proj's input columns
 
 
 class RotateOptions(PassOptions):
     kind: Literal["hadamard", "random_hadamard"] = "hadamard"
     residual: bool = True  # R1: the residual stream, through embedding, every block and the head
     values: bool = True  # R2: each attention head's values, between v_proj and o_proj
+    down: bool = False  # R4: down_proj's input, online (a fast Walsh-Hadamard transform at run time)
     seed: int = 0  # random_hadamard's signs
 
 
@@ -57,14 +67,20 @@ class Rotate(LayerPass):
     def order_problem(self, before, after):
         if before:
             return f"rotates the model every other pass sees, so it must come first ({before[0].where} is before it)"
-        if not (self.options.residual or self.options.values):
-            return "rotates nothing: give residual: true, values: true or both"
+        if not (self.options.residual or self.options.values or self.options.down):
+            return "rotates nothing: give residual: true, values: true, down: true or several"
+        folds = [p for p in after if p.name in FOLDS_INTO_DOWN]
+        if self.options.down and folds:
+            return (
+                f"down: true rotates down_proj's input online, where {folds[0].where} would fold its scales "
+                "into up_proj; drop down: true or that pass"
+            )
         return None
 
     def check(self, model: torch.nn.Module) -> None:
         config = model.config
         family = config.model_type
-        families = RESIDUAL_FAMILIES if self.options.residual else VALUES_FAMILIES
+        families = RESIDUAL_FAMILIES if self.options.residual else VALUES_FAMILIES  # R4: as R2, inside a block
         if family not in families:
             why = (
                 "each of its blocks normalizes its output with a weight of its own before adding it to the residual "
@@ -85,6 +101,11 @@ class Rotate(LayerPass):
                 self._matrix(n)
             except ValueError as e:
                 raise RecipeError(f"{self.where}: the {what}: {e}") from None
+        if self.options.down and hadamard.block_size(config.intermediate_size) < 2:
+            width = config.intermediate_size
+            raise RecipeError(
+                f"{self.where}: down_proj's input width {width} is odd: no Hadamard block; drop down: true"
+            )
 
     def _matrix(self, n: int) -> torch.Tensor:
         r = hadamard.matrix(n, torch.float64)
@@ -101,6 +122,7 @@ class Rotate(LayerPass):
         model.model._compress_rotated = True
         self.r1 = self._matrix(model.config.hidden_size) if self.options.residual else None
         self.r2 = self._matrix(self.head_dim) if self.options.values else None
+        self.r4 = hadamard.block_matrix(model.config.intermediate_size, torch.float64) if self.options.down else None
         if self.r1 is not None:
             self._rotate_ends(model.model)
         for i in sorted(model.resident):
@@ -125,6 +147,19 @@ class Rotate(LayerPass):
                 self._rotate_values(block)
             if self.r1 is not None:
                 self._rotate_residual(block)
+            if self.r4 is not None:
+                down = self._down(block)
+                down.weight.data = _to(down.weight.double() @ self.r4, down.weight)
+                hadamard.InputRotation().attach(down)  # its hook once, however often the block is read
+
+    def _down(self, block: torch.nn.Module) -> torch.nn.Linear:
+        """The linear that reads the MLP's product: the writer of the scaling other than the values'."""
+        (s,) = [
+            s
+            for s in self.arch.scalings
+            if s.prev != "self_attn.v_proj" and isinstance(block.get_submodule(s.prev), torch.nn.Linear)
+        ]
+        return block.get_submodule(s.linears[0])
 
     def _rotate_residual(self, block: torch.nn.Module) -> None:
         for s in self.arch.scalings:
@@ -155,7 +190,10 @@ class Rotate(LayerPass):
         """Nothing: the block was rotated as it was read (``prepare``)."""
 
     def summary(self) -> str:
-        parts = [p for p, on in (("residual", self.options.residual), ("values", self.options.values)) if on]
+        o = self.options
+        parts = [
+            p for p, on in (("residual", o.residual), ("values", o.values), ("down_proj input, online", o.down)) if on
+        ]
         return f"rotate {self.options.kind.replace('_', ' ')} ({' and '.join(parts)})"
 
 
