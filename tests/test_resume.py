@@ -35,6 +35,9 @@ RECIPES = {  # every kind of state a pass leaves on a block
     # each linear's scheme allocated to a budget: the resumed run chooses the same
     "gptq allocated to 3.5 bits": "  - gptq: {bits: 4, group_size: 32, symmetric: true}\n"
     "allocate: {target_bpw: 3.5, candidates: [w2g32, w3g32, w4g32, w8]}\n",
+    # blocks rotated as they are read, one rotation online (a hook kept as a state), int4 inputs
+    "rotate + gptq + int4 activations": "  - rotate: {down: true}\n"
+    "  - gptq: {bits: 4, group_size: 32, symmetric: true}\n  - activations: {format: int, bits: 4}\n",
 }
 
 
