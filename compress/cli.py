@@ -208,7 +208,7 @@ def _decode(args) -> None:
     if Path(args.model).is_dir():
         attach_export_integers(model, args.model)  # for the integer kernels
         if parts := unsimulated_by_decoder(args.model):
-            why = "no kernel here reads float grids yet; `compress eval` scores them as served"
+            why = "no kernel here rounds them yet; `compress eval` scores them as served"
             print(f"[decode: {', '.join(parts)}: {why}]", file=sys.stderr)
     _refuse_what_does_not_fit(args, model, prompt)
     eos = model.generation_config.eos_token_id

@@ -188,6 +188,10 @@ def test_quantized_activations_export_as_the_preset_and_reload_to_our_logits(pas
     theirs = PRESET_SCHEMES[preset]["input_activations"].model_dump(mode="json", exclude={"observer"})
     assert {k: group["input_activations"].get(k) for k in theirs} == theirs
     reloads_to_our_logits(model, tmp_path / "out", reloaded)
+    from compress.formats.compressed_tensors import unsimulated_by_decoder
+
+    said = unsimulated_by_decoder(tmp_path / "out")  # `compress decode` says what it does not round
+    assert any(p.endswith("inputs run unrounded") and p.startswith(("int", "FP")) for p in said), said
     if calibrated is not None:
         name = "input_global_scale" if preset == "NVFP4" else "input_scale"
         stored = getattr(reloaded.model.layers[0].self_attn.q_proj, name).data

@@ -301,13 +301,18 @@ class Reader:
 
 
 def unsimulated_by_decoder(folder: str | Path) -> list[str]:
-    """What of the export's float formats the CPU decode engine runs in 16 bits (it has no float
-    kernels): float weights dequantized, float inputs and an FP8 KV cache unrounded."""
+    """What of the export's formats the CPU decode engine runs in 16 bits (it has no float kernels,
+    and integer inputs only in W8A8's): float weights dequantized, float inputs, W4A8 / W4A4 int
+    inputs and an FP8 KV cache unrounded."""
     config = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
     parts = [f"{config['format']} weights run dequantized"] if config.get("format") in FLOAT_FORMATS.values() else []
     inputs = [g.get("input_activations") or {} for g in (config.get("config_groups") or {}).values()]
     if bits := {a.get("num_bits") for a in inputs if a.get("type") == "float"}:
         parts.append(f"{'FP4' if 4 in bits else 'FP8'} inputs run unrounded")
+    if config.get("format") != "int-quantized" and (
+        bits := {a.get("num_bits") for a in inputs if a.get("type") == "int"}
+    ):
+        parts.append(f"int{min(bits)} inputs run unrounded")
     if config.get("kv_cache_scheme"):
         parts.append("the FP8 KV cache runs in 16 bits")
     return parts
