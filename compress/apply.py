@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from . import allocate, data, distributed, export, kv_quant, machine, memory, models, resume
+from . import allocate, data, distributed, export, kv_quant, machine, memory, models, resume, tasks
 from .data import activation_store
 from .evaluate import evaluate, windows_of
 from .formats import gguf_file
@@ -46,6 +46,7 @@ class Report:
     training: dict = field(default_factory=dict)  # recovery passes: loss of the first and last tenth of the steps
     eval: dict = field(default_factory=dict)
     allocation: dict | None = None  # ``allocate``: the scheme of each linear, its budget and predicted cost
+    tasks: dict | None = None  # ``evaluation.tasks``: lm-eval scores beside the dense model's (compress.tasks)
 
     def as_dict(self):
         return asdict(self)
@@ -132,6 +133,9 @@ def _apply(
     ev, cal = recipe.evaluation, recipe.calibration
     seqlen, windows = eval_seqlen or ev.seqlen, eval_windows or ev.windows
     eval_data = windows_of(tokenizer, ev.ppl, seqlen, windows) if evaluate_after and ev.ppl else None
+    task_settings = tasks.TaskSettings(ev.tasks, ev.task_limit, ev.num_fewshot) if evaluate_after else None
+    if task_settings and task_settings.tasks and run.main:
+        tasks.resolve(task_settings.tasks)  # an unknown task, or lm-eval missing: said before any compute
     whole = recipe.needs_data and cal.source == data.SELF or any(isinstance(p, ModelPass) for p in recipe.passes)
     n_samples = (samples or cal.samples) if recipe.needs_data else 0
     keep_blocks = keep_blocks and recipe.needs_data and distributed.size() == 1  # the long sweeps, one process
@@ -163,6 +167,10 @@ def _apply(
         del model, loaded
         if eval_data is not None:
             report.eval = _evaluate(run, _shared(writer.tmp), tokenizer, eval_data).as_dict()
+            report.peak_rss_gb = peak_rss_gb()
+        if task_settings and task_settings.tasks:
+            reference = run.source if ev.kl else None
+            report.tasks = tasks.evaluate_tasks(str(writer.tmp), task_settings, reference, run.torch_dtype, run.device)
             report.peak_rss_gb = peak_rss_gb()
         (writer.tmp / export.REPORT).write_text(json.dumps(report.as_dict(), indent=2))
     except BaseException:

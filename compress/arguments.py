@@ -28,6 +28,13 @@ def _whole(least: int):
     return parse
 
 
+def _task_list(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("give one or more task names, comma-separated")
+    return names
+
+
 def _number(low: float, high: float = math.inf, low_open: bool = False, auto: bool = False):
     """An argparse type: a number in [low, high] (``low_open``: (low, high]); ``auto`` allowed if said."""
 
@@ -161,6 +168,14 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         action="store_true",
         help="write the result into the export's report.json (an `apply --no-eval` export)",
     )
+    p.add_argument(
+        "--tasks",
+        type=_task_list,
+        help="comma-separated lm-evaluation-harness tasks instead of perplexity: lm-eval task names, the shipped "
+        "offline wikitext_cloze and wikitext_lastword, or task YAML files (the [tasks] extra; docs/evaluation.md)",
+    )
+    p.add_argument("--limit", type=_whole(1), help="--tasks: score only the first N documents of each task")
+    p.add_argument("--num-fewshot", type=_whole(0), help="--tasks: few-shot examples (default: each task's own)")
     p.add_argument(
         "--bitsandbytes",
         choices=["nf4", "nf4-double", "fp4", "int8"],

@@ -177,6 +177,8 @@ def _eval(args) -> None:
         ref = models.open_streamed(reference, dtype)
         _refuse_another_vocabulary(f"--reference {reference}", ref, args.model, loaded)
         ref_model = ref.model
+    if args.tasks:
+        return _eval_tasks(args, dtype, device, reference)
     context = getattr(loaded.model.config, "max_position_embeddings", None)
     if context and args.seqlen and args.seqlen > context:
         raise DataError(f"--seqlen {args.seqlen} is past {args.model}'s context of {context} tokens; give at most that")
@@ -190,6 +192,20 @@ def _eval(args) -> None:
     _print_result(result, bits_line)
     if args.write_report:
         print(f"report: {export.add_evaluation(Path(args.model), result.as_dict())}")
+
+
+def _eval_tasks(args, dtype, device, reference) -> None:
+    """``compress eval MODEL --tasks ...``: lm-evaluation-harness on the model as we evaluate it."""
+    from . import export, tasks
+
+    if args.bitsandbytes:
+        raise DataError("--tasks scores our exports and models; it does not take --bitsandbytes")
+    settings = tasks.TaskSettings(args.tasks, args.limit, args.num_fewshot)
+    scores = tasks.evaluate_tasks(args.model, settings, reference, dtype, device)
+    print(f"model: {args.model}    reference: {reference or 'none'}    lm-eval {scores['settings']['lm_eval']}")
+    print(tasks.table(scores))
+    if args.write_report:
+        print(f"report: {export.add_evaluation(Path(args.model), scores, key='tasks')}")
 
 
 def _decode(args) -> None:

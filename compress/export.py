@@ -431,17 +431,17 @@ def export(
     return writer.publish()
 
 
-def add_evaluation(folder: Path, evaluation: dict) -> Path:
-    """Fill in the evaluation of an export written with ``--no-eval`` (``compress eval DIR
-    --write-report``): ``report.json``'s ``eval`` and the manifest's ``evaluated``, each file
-    replaced whole (written beside, then renamed)."""
+def add_evaluation(folder: Path, evaluation: dict, key: str = "eval") -> Path:
+    """Fill in the evaluation of an export (``compress eval DIR --write-report``): ``report.json``'s
+    ``eval`` (or ``tasks``, the task scores) and the manifest's ``evaluated``, each file replaced
+    whole (written beside, then renamed)."""
     report_path, manifest_path = folder / REPORT, folder / MANIFEST
     report = json.loads(report_path.read_text()) if report_path.is_file() else {}
     manifest = json.loads(manifest_path.read_text())
-    for path, content in (
-        (report_path, {**report, "eval": evaluation}),
-        (manifest_path, {**manifest, "evaluated": True}),
-    ):
+    written = [(report_path, {**report, key: evaluation})]
+    if key == "eval":  # the manifest says whether perplexity was scored
+        written.append((manifest_path, {**manifest, "evaluated": True}))
+    for path, content in written:
         partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
         partial.write_text(json.dumps(content, indent=2))
         os.replace(partial, path)

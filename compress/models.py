@@ -191,7 +191,7 @@ def _dequantize_on_load(where) -> dict:
     return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
-def _hub_reachable(host: str = "huggingface.co") -> bool:
+def hub_reachable(host: str = "huggingface.co") -> bool:
     """A quick look-up, so that an offline machine fails at once instead of after minutes of retries."""
     if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false"):
         return False
@@ -205,7 +205,7 @@ def _hub_reachable(host: str = "huggingface.co") -> bool:
 def load(source: str = DEFAULT_MODEL, dtype: torch.dtype = torch.bfloat16, trust_remote_code: bool = False) -> Loaded:
 
     where = resolve(source)
-    local_only = isinstance(where, Path) or not _hub_reachable()
+    local_only = isinstance(where, Path) or not hub_reachable()
     try:
         tokenizer = _tokenizer(where, trust_remote_code, local_only)
         model = load_model(where, dtype, trust_remote_code, local_only)
@@ -234,7 +234,7 @@ def local_folder(source: str) -> Path:
             snapshot_download(
                 where,
                 allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"],
-                local_files_only=not _hub_reachable(),
+                local_files_only=not hub_reachable(),
             )
         )
     except Exception:

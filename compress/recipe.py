@@ -46,6 +46,10 @@ class Evaluation(_Strict):
     seqlen: int = Field(2048, gt=1)
     windows: int = Field(40, gt=0)
     kl: bool = True  # KL divergence and top-1 agreement against the uncompressed model
+    # lm-evaluation-harness tasks scored after perplexity (compress.tasks), beside the dense model's
+    tasks: list[str] = []
+    task_limit: int | None = Field(None, gt=0)  # the first N documents of each task
+    num_fewshot: int | None = Field(None, ge=0)  # None: each task's own
 
 
 class Export(_Strict):

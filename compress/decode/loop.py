@@ -24,6 +24,7 @@ import inspect
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -160,8 +161,10 @@ def greedy(
     max_new_tokens: int,
     eos: set[int] = frozenset(),
     cache=None,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> DecodeResult:
-    """One token per forward, with the KV cache: the baseline every method is measured against."""
+    """One token per forward, with the KV cache: the baseline every method is measured against.
+    ``stop(tokens)``: ends the output early (a task's stop strings) once it says so."""
     runner, start = runner_for(model, cache), time.perf_counter()
     logits = runner.forward(prompt, all_logits=False)[-1]
     prompt_seconds = prompt_time(runner.device, start)
@@ -169,7 +172,7 @@ def greedy(
     while True:
         token = int(logits.argmax())
         tokens.append(token)
-        if token in eos or len(tokens) >= max_new_tokens:
+        if token in eos or len(tokens) >= max_new_tokens or (stop is not None and stop(tokens)):
             break
         logits = runner.forward([token])[-1]
         forwards += 1
