@@ -1,7 +1,8 @@
 """``compress report DIR...``: the ``report.json`` of several exports side by side, as one markdown
 table and, with matplotlib installed (``pip install -e ".[plot]"``), plots of quality against
 size: perplexity against bits per weight and against size on disk (the Pareto front marked),
-KL against bits per weight, and compression time per export.
+KL against bits per weight, task recovery against bits per weight (exports scored with ``--tasks``)
+and compression time per export.
 """
 
 from __future__ import annotations
@@ -22,11 +23,13 @@ MANIFEST = ".compress-report.json"  # the files an earlier report wrote into its
 TIMES_PLOT = "compress_time.png"
 
 
-PLOTS = {  # file -> (x key, y key, x label, y label, log y)
+PLOTS = {  # file -> (x key, y key, x label, y label, log y); lower y is better but for recovery
     "ppl_vs_bits.png": ("bits_per_weight", "ppl", "bits per weight", "perplexity", True),
     "ppl_vs_size.png": ("size_mb", "ppl", "size on disk (MB)", "perplexity", True),
     "kl_vs_bits.png": ("bits_per_weight", "kl", "bits per weight", "KL(original || compressed), nats per token", True),
+    "recovery_vs_bits.png": ("bits_per_weight", "task_recovery", "bits per weight", "task recovery (÷ dense)", False),
 }
+HIGHER_IS_BETTER = {"task_recovery"}
 
 
 def load(folders: list[str | Path]) -> list[dict]:
@@ -44,8 +47,9 @@ def load(folders: list[str | Path]) -> list[dict]:
             raise ReportError(
                 f"could not read {path} ({type(e).__name__}): re-run the export or leave it out"
             ) from None
-        record = {k: v for k, v in report.items() if k not in ("eval", "training")}
-        records.append(record | (report.get("eval") or {}) | {"folder": str(folder)})
+        record = {k: v for k, v in report.items() if k not in ("eval", "training", "tasks")}
+        recovery = (report.get("tasks") or {}).get("mean_recovery")  # compress.tasks: model ÷ dense, mean over tasks
+        records.append(record | (report.get("eval") or {}) | {"folder": str(folder), "task_recovery": recovery})
     return sorted(records, key=lambda r: (r.get("bits_per_weight") or 99, r.get("size_mb") or 0))
 
 
@@ -79,6 +83,8 @@ def table(records: list[dict]) -> str:
         "compress s",
         "peak RSS GB",
     ]
+    tasks = any(r.get("task_recovery") is not None for r in records)
+    head += ["task recovery"] if tasks else []
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         cells = [
@@ -92,7 +98,7 @@ def table(records: list[dict]) -> str:
             _cell(r.get("top1")),
             _cell(r.get("compress_s"), 0),
             _cell(r.get("peak_rss_gb"), 2),
-        ]
+        ] + ([_cell(r.get("task_recovery"))] if tasks else [])
         rows.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
     return "\n".join(rows)
 
@@ -126,7 +132,8 @@ def _plot(records: list[dict], file: str, out: Path) -> Path | None:
             ax.scatter([p[0] for p in these], [p[1] for p in these], color=color, marker=marker, zorder=3, label=label)
     if log_y:
         ax.set_yscale("log")
-    front = [points[i] for i in pareto([(p[0], p[1]) for p in points])]
+    sign = -1 if y_key in HIGHER_IS_BETTER else 1
+    front = [points[i] for i in pareto([(p[0], sign * p[1]) for p in points])]
     ax.step([p[0] for p in front], [p[1] for p in front], where="post", color="tab:orange", label="Pareto front")
     references = {r["ref_ppl"] for r in records if y_key == "ppl" and r.get("ref_ppl") is not None}
     if len(references) == 1:

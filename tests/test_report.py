@@ -126,3 +126,20 @@ def test_mixed_precision_exports_are_marked_apart_on_the_plots(tmp_path, monkeyp
     report._plot(report.load([uniform, mixed]), "ppl_vs_bits.png", tmp_path)
     (ax,) = figures[0].axes
     assert {t.get_text() for t in ax.get_legend().get_texts()} >= {"one scheme", "mixed"}
+
+
+def test_task_recovery_gets_a_column_and_a_plot_where_exports_were_scored_on_tasks(tmp_path):
+    pytest.importorskip("matplotlib")
+    scored = [
+        _export(tmp_path / r, r, bits, 90.0, ppl, 0.1) for r, bits, ppl in (("w4", 4.25, 23.5), ("w3", 3.25, 41.0))
+    ]
+    for folder, recovery in zip(scored, (0.98, 0.91)):
+        data = json.loads((folder / "report.json").read_text())
+        (folder / "report.json").write_text(json.dumps(data | {"tasks": {"mean_recovery": recovery}}))
+    plain = _export(tmp_path / "plain", "rtn-w8", 8.1, 150.0, 20.1, 0.01)
+    out = tmp_path / "report"
+    assert main(["report", *map(str, [*scored, plain]), "--output", str(out)]) == 0
+    text = (out / "report.md").read_text()
+    assert "| task recovery |" in text and "| 0.910 |" in text and "| 0.980 |" in text
+    assert (out / "recovery_vs_bits.png").read_bytes()[:4] == b"\x89PNG"
+    assert report.pareto([(3.25, -0.91), (4.25, -0.98)]) == [0, 1]  # higher recovery is better: both on the front

@@ -2,15 +2,16 @@
 
 import copy
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
+from conftest import compress_with, tiny_folder
 
 from compress import models, tasks
 from compress.cli import main
-from conftest import compress_with, tiny_folder
 
 pytest.importorskip("lm_eval")
 
@@ -163,8 +164,6 @@ def test_bad_task_input_is_one_line_and_writes_nothing(tiny, tmp_path, monkeypat
         assert result.returncode == 2 and match in result.stderr, result.stderr[-1500:]
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
-    import os
-
     env = dict(os.environ)
     refused("eval", str(folder), "--tasks", "wikitext_clozee", match="did you mean wikitext_cloze")
     refused("eval", str(folder), "--tasks", "missing.yaml", match="no such file")
@@ -176,7 +175,6 @@ def test_bad_task_input_is_one_line_and_writes_nothing(tiny, tmp_path, monkeypat
     (tmp_path / "lm_eval" / "__init__.py").write_text("raise ImportError('not here')\n")
     env["PYTHONPATH"] = str(tmp_path)
     refused("eval", str(folder), "--tasks", files[0], match="pip install 'lm-eval")
-    env = dict(os.environ)
-    monkeypatch.setattr(models, "hub_reachable", lambda *a: False)
-    with pytest.raises(tasks.DataError, match="arc_easy: lm-eval reads allenai/ai2_arc from the hub, which is unreachable"):
+    monkeypatch.setattr(models, "hub_reachable", lambda *a: False)  # offline: a task whose data is on the hub
+    with pytest.raises(tasks.DataError, match="arc_easy: lm-eval reads allenai/ai2_arc from the hub, which is unre"):
         tasks.resolve(["arc_easy"])
