@@ -103,6 +103,14 @@ def test_dense_scores_equal_lm_evals_own_model_on_smollm2():
         assert our_results[task][metric] == their_results[task][metric]
 
 
+def _distinct_vocabulary(model):
+    """The tiny model's resized vocabulary rows are all alike, so text barely moves its outputs:
+    distinct rows, so that rounding shows in the log-likelihoods."""
+    torch.manual_seed(0)
+    model.get_input_embeddings().weight.data.normal_(0, 1)
+    model.get_output_embeddings().weight.data.normal_(0, 0.5)
+
+
 def test_w8a8_task_scores_see_the_quantized_activations(tmp_path, smollm2):
     """The export's int8 activations are in the log-likelihoods: they differ from the same weights
     with activation quantization switched off (what a weight-only reading of the export gives)."""
@@ -112,9 +120,7 @@ def test_w8a8_task_scores_see_the_quantized_activations(tmp_path, smollm2):
 
     folder = tiny_folder(tmp_path / "dense", smollm2.tokenizer)
     model = models.load(str(folder), torch.float32).model
-    torch.manual_seed(0)  # the resized vocabulary's rows are all alike: distinct ones, so that text has a signal
-    model.get_input_embeddings().weight.data.normal_(0, 1)
-    model.get_output_embeddings().weight.data.normal_(0, 0.5)
+    _distinct_vocabulary(model)
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
     recipe = compress_with(model, "  - smoothquant: {alpha: 0.5}\n  - gptq: {bits: 8, group_size: -1}\n", ids)
     out = export(model, smollm2.tokenizer, tmp_path / "w8a8", recipe.text, {})
@@ -178,3 +184,21 @@ def test_bad_task_input_is_one_line_and_writes_nothing(tiny, tmp_path, monkeypat
     monkeypatch.setattr(models, "hub_reachable", lambda *a: False)  # offline: a task whose data is on the hub
     with pytest.raises(tasks.DataError, match="arc_easy: lm-eval reads allenai/ai2_arc from the hub, which is unre"):
         tasks.resolve(["arc_easy"])
+
+
+def test_a_quantized_kv_cache_is_in_the_task_scores(tiny):
+    """Log-likelihoods read keys and values rounded as a KIVI decoder holds them (2 bits here, no
+    full-precision window), and generation runs on that cache: both differ from the plain model's."""
+    from compress import kv_quant
+
+    folder, files = tiny
+    configs = tasks.resolve(files)
+    plain = _ours(folder)
+    _distinct_vocabulary(plain.model)
+    rounded = copy.deepcopy(plain.model)
+    kv_quant.install(rounded, kv_quant.KVScheme(bits=2, group_size=4, residual=0))
+    before, _ = _responses(plain, configs, None)
+    after, _ = _responses(tasks.task_model(rounded, plain.tokenizer), configs, None)
+    gaps = [abs(x[0] - y[0]) for a, b in zip(before["tiny_choice"], after["tiny_choice"]) for [x], [y] in zip(a, b)]
+    assert max(gaps) > 1e-2, gaps
+    assert len(after["tiny_generate"]) == len(GENERATE_DOCS)
