@@ -134,8 +134,13 @@ def _apply(
     seqlen, windows = eval_seqlen or ev.seqlen, eval_windows or ev.windows
     eval_data = windows_of(tokenizer, ev.ppl, seqlen, windows) if evaluate_after and ev.ppl else None
     task_settings = tasks.TaskSettings(ev.tasks, ev.task_limit, ev.num_fewshot) if evaluate_after else None
-    if task_settings and task_settings.tasks and run.main:
-        tasks.resolve(task_settings.tasks)  # an unknown task, or lm-eval missing: said before any compute
+    if task_settings and task_settings.tasks:  # an unknown task, or lm-eval missing: said before any compute
+        if distributed.size() > 1:
+            raise distributed.DistributedError(
+                "evaluation.tasks runs in one process: run without torchrun, or with --no-eval and then "
+                "`compress eval DIR --tasks ...`"
+            )
+        tasks.resolve(task_settings.tasks)
     whole = recipe.needs_data and cal.source == data.SELF or any(isinstance(p, ModelPass) for p in recipe.passes)
     n_samples = (samples or cal.samples) if recipe.needs_data else 0
     keep_blocks = keep_blocks and recipe.needs_data and distributed.size() == 1  # the long sweeps, one process

@@ -149,6 +149,8 @@ def _eval(args) -> None:
     from . import bnb, export, models
     from .evaluate import evaluate
 
+    if args.tasks:  # an unknown task, lm-eval missing, a wrong pairing: said before any model is read
+        _check_tasks(args)
     if args.model.endswith(".gguf"):
         return _eval_gguf(args)
     dtype = models.parse_dtype(args.dtype)
@@ -194,12 +196,20 @@ def _eval(args) -> None:
         print(f"report: {export.add_evaluation(Path(args.model), result.as_dict())}")
 
 
+def _check_tasks(args) -> None:
+    from . import tasks
+
+    if args.model.endswith(".gguf") or args.bitsandbytes:
+        raise DataError("--tasks scores a model folder or an export of ours: not a .gguf file, not with --bitsandbytes")
+    if distributed.size() > 1:
+        raise distributed.DistributedError("--tasks runs in one process: run it without torchrun")
+    tasks.resolve(args.tasks)
+
+
 def _eval_tasks(args, dtype, device, reference) -> None:
     """``compress eval MODEL --tasks ...``: lm-evaluation-harness on the model as we evaluate it."""
     from . import export, tasks
 
-    if args.bitsandbytes:
-        raise DataError("--tasks scores our exports and models; it does not take --bitsandbytes")
     settings = tasks.TaskSettings(args.tasks, args.limit, args.num_fewshot)
     scores = tasks.evaluate_tasks(args.model, settings, reference, dtype, device)
     print(f"model: {args.model}    reference: {reference or 'none'}    lm-eval {scores['settings']['lm_eval']}")

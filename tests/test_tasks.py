@@ -173,6 +173,7 @@ def test_bad_task_input_is_one_line_and_writes_nothing(tiny, tmp_path, monkeypat
     env = dict(os.environ)
     refused("eval", str(folder), "--tasks", "wikitext_clozee", match="did you mean wikitext_cloze")
     refused("eval", str(folder), "--tasks", "missing.yaml", match="no such file")
+    refused("eval", "model.gguf", "--tasks", "wikitext_cloze", match="not a .gguf file")
     recipe = tmp_path / "r.yaml"
     recipe.write_text("passes:\n  - rtn: {bits: 4}\nevaluation: {tasks: [no_such_task_at_all]}\n")
     refused("apply", str(recipe), "--model", str(folder), "--output", str(tmp_path / "out"), match="no such task")
