@@ -68,24 +68,25 @@ def resolve(names: list[str]) -> list[str | dict]:
             path = Path(name) if name.endswith((".yaml", ".yml")) else SHIPPED_TASKS / f"{name}.yaml"
             if not path.is_file():
                 raise DataError(f"--tasks {name}: no such file; give a task YAML file or a task name")
-            resolved.append(_local_config(path))
-            continue
-        manager = manager or TaskManager()
-        entry = manager.task_index.get(name)
-        if entry is None:
-            close = difflib.get_close_matches(name, manager.all_tasks + shipped(), n=3)
-            hint = f" (did you mean {', '.join(close)}?)" if close else ""
-            raise DataError(
-                f"--tasks {name}: lm-eval knows no such task{hint}; give a task name (`lm-eval ls tasks`), "
-                f"a shipped local task ({', '.join(shipped())}) or a task YAML file"
-            )
-        if not models.hub_reachable() and not _reads_local_files(entry.cfg):
-            where = (entry.cfg or {}).get("dataset_path", "its data")
+            config = task = _local_config(path)
+        else:
+            manager = manager or TaskManager()
+            entry = manager.task_index.get(name)
+            if entry is None:
+                close = difflib.get_close_matches(name, manager.all_tasks + shipped(), n=3)
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise DataError(
+                    f"--tasks {name}: lm-eval knows no such task{hint}; give a task name (`lm-eval ls tasks`), "
+                    f"a shipped local task ({', '.join(shipped())}) or a task YAML file"
+                )
+            config, task = entry.cfg, name
+        if not _reads_local_files(config) and not models.hub_reachable():
+            where = (config or {}).get("dataset_path", "its data")
             raise DataError(
                 f"--tasks {name}: lm-eval reads {where} from the hub, which is unreachable here; run where it is "
                 f"reachable, or give a task YAML over local files (docs/evaluation.md)"
             )
-        resolved.append(name)
+        resolved.append(task)
     return resolved
 
 

@@ -185,6 +185,9 @@ def test_bad_task_input_is_one_line_and_writes_nothing(tiny, tmp_path, monkeypat
     monkeypatch.setattr(models, "hub_reachable", lambda *a: False)  # offline: a task whose data is on the hub
     with pytest.raises(tasks.DataError, match="arc_easy: lm-eval reads allenai/ai2_arc from the hub, which is unre"):
         tasks.resolve(["arc_easy"])
+    (tmp_path / "hub.yaml").write_text("task: arc_copy\ndataset_path: allenai/ai2_arc\noutput_type: multiple_choice\n")
+    with pytest.raises(tasks.DataError, match="hub.yaml: lm-eval reads allenai/ai2_arc from the hub"):
+        tasks.resolve([str(tmp_path / "hub.yaml")])
 
 
 def test_a_quantized_kv_cache_is_in_the_task_scores(tiny):
