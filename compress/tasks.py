@@ -197,7 +197,7 @@ def _dense_key(reference: str, settings: TaskSettings, tasks: list, dtype, devic
     from lm_eval import __version__ as lm_eval_version
 
     h = hashlib.sha256(models.open_streamed(reference).model.checkpoint.fingerprint().encode())
-    h.update(json.dumps([tasks, asdict(settings)["limit"], settings.num_fewshot], default=str).encode())
+    h.update(json.dumps([tasks, settings.limit, settings.num_fewshot], default=str).encode())
     for task in tasks:  # a local task's data files: their sizes and modification times
         for f in _data_files(task):
             h.update(f"{f}:{os.stat(f).st_size}:{os.stat(f).st_mtime_ns}".encode())
