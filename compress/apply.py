@@ -20,7 +20,7 @@ from . import allocate, data, distributed, export, kv_quant, machine, memory, mo
 from .data import activation_store
 from .evaluate import evaluate, windows_of
 from .formats import gguf_file
-from .passes import ModelPass, RecipeError
+from .passes import RecipeError
 from .pipeline import run_passes
 from .recipe import Recipe
 
@@ -141,7 +141,7 @@ def _apply(
                 "`compress eval DIR --tasks ...`"
             )
         tasks.resolve(task_settings.tasks)
-    whole = recipe.needs_data and cal.source == data.SELF or any(isinstance(p, ModelPass) for p in recipe.passes)
+    whole = recipe.needs_data and cal.source == data.SELF or any(p.whole_model for p in recipe.passes)
     n_samples = (samples or cal.samples) if recipe.needs_data else 0
     keep_blocks = keep_blocks and recipe.needs_data and distributed.size() == 1  # the long sweeps, one process
     if distributed.size() > 1:  # (several: each rank would need every rank's blocks to resume)
@@ -153,6 +153,8 @@ def _apply(
 
     start = time.perf_counter()
     ids, calib_what = _calibration(run, model.model, tokenizer, n_samples)
+    for p in recipe.passes:  # what a pass learns of the whole model first (learned rotations)
+        p.fit(model, ids, recipe.passes, run.device)
     allocation = run.planner.run(model, ids, run.device) if run.planner is not None else None
     writer = export.Export(run.out, run.overwrite, run.max_shard_bytes, run.protected) if run.main else None
     try:  # everything, the report included, goes to the writer's temporary folder; renamed at the end

@@ -65,6 +65,7 @@ def smollm2_copy(smollm2):
 def compress_with(model, passes_yaml: str, ids=None):
     """Parse a `passes:` list, check it against the model and run it in place (a recovery pass's
     teacher is a copy of the model from before)."""
+    from compress.lazy import streamed
     from compress.passes import ModelPass
     from compress.pipeline import run_passes
     from compress.recipe import parse
@@ -73,7 +74,12 @@ def compress_with(model, passes_yaml: str, ids=None):
     for p in recipe.passes:
         p.check(model)
     original = copy.deepcopy(model) if any(isinstance(p, ModelPass) for p in recipe.passes) else None
-    run_passes(model, ids if recipe.needs_data else None, recipe.passes, torch.device("cpu"), lambda: original)
+    model, ids = streamed(model), ids if recipe.needs_data else None
+    for p in recipe.passes:  # as apply does: prepared, then fitted on the calibration samples
+        p.prepare(model)
+    for p in recipe.passes:
+        p.fit(model, ids, recipe.passes, torch.device("cpu"))
+    run_passes(model, ids, recipe.passes, torch.device("cpu"), lambda: original)
     return recipe
 
 

@@ -46,6 +46,7 @@ class LayerPass:
     uses_hessian: ClassVar[bool] = False  # collects XᵀX per linear: the memory plan counts it
     needs_original: bool = False  # the pipeline keeps each block as it was before the passes
     needs_dense_inputs: bool = False  # the pipeline carries the dense model's inputs to each block too
+    whole_model: bool = False  # reads every block at once (training), so the run holds the whole model
     # the kinds of state (``state.KINDS`` attributes) this pass may attach: a format that cannot
     # store one of them refuses the pass when the recipe is read
     leaves: ClassVar[frozenset[str]] = frozenset()
@@ -81,6 +82,10 @@ class LayerPass:
         """Before any block of the ``StreamedModel`` is read for calibration: a pass that changes the
         model every reader sees (``rotate``) does it here. Called once per model."""
 
+    def fit(self, model, ids: torch.Tensor | None, passes: list[LayerPass], device: torch.device) -> None:
+        """After ``prepare``, with the calibration samples, before any block is compressed: a pass
+        that learns something of the whole model first (learned rotations) does it here."""
+
     def apply(self, block: torch.nn.Module, data, prefix: str) -> None:
         raise NotImplementedError
 
@@ -115,6 +120,7 @@ class ModelPass(LayerPass):
 
     compresses = False
     data_parallel = False
+    whole_model = True
 
     def order_problem(self, before, after):
         if later := [q for q in after if not isinstance(q, ModelPass)]:

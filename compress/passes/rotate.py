@@ -10,9 +10,11 @@ keeps a vector's norm. ``values`` rotates each attention head's values by ``R2``
 rows, ``o_proj``'s columns per head), which the attention's weighted sum carries through.
 
 ``R`` is ``compress.hadamard``'s matrix (``hadamard``), or that matrix with seeded random signs on
-its rows (``random_hadamard``: ``diag(±1) H``, QuaRot's choice). Nothing is added at run time:
-the export is a plain model (with its own head where the embedding was tied: the head holds
-``H diag(w_final) R1``, the embedding ``E R1``).
+its rows (``random_hadamard``: ``diag(±1) H``, QuaRot's choice), or rotations trained from that
+start against the rounding the later passes do (``learned``: SpinQuant, in
+``compress.learned_rotation``; ``fit`` trains them on the calibration samples before the sweep,
+with an ``R2`` per layer). Nothing is added at run time: the export is a plain model (with its
+own head where the embedding was tied: the head holds ``H diag(w_final) R1``, the embedding ``E R1``).
 
 ``down: true`` adds QuaRot's one online rotation, ``R4``: ``down_proj``'s input (the product of
 the gate and up projections, whose outliers no fused rotation reaches) is rotated at run time by
@@ -27,10 +29,10 @@ block sees the rotated model: the later passes' statistics, the allocation's cos
 GPTAQ compares with, a resumed run. ``rotate`` is therefore the recipe's first pass, and does
 nothing in the sweep itself.
 
-Not yet: online rotations of queries and keys (before a quantized KV cache), learned rotations
-(SpinQuant), Gemma-3's residual stream (each block's output passes a norm with its own weight
-before it is added to the stream, so no rotation of the stream can be folded into the weights;
-its values and ``down_proj``'s input rotate), mixture-of-experts blocks.
+Not yet: online rotations of queries and keys (before a quantized KV cache), Gemma-3's residual
+stream (each block's output passes a norm with its own weight before it is added to the stream, so
+no rotation of the stream can be folded into the weights; its values and ``down_proj``'s input
+rotate), mixture-of-experts blocks.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Literal
 
 import torch
+from pydantic import Field, model_validator
 
 from .. import hadamard, moe
 from ..arch import arch_of, decoder_layers
@@ -52,23 +55,42 @@ FOLDS_INTO_DOWN = ("awq", "smoothquant")  # scale up_proj's output rows and down
 
 
 class RotateOptions(PassOptions):
-    kind: Literal["hadamard", "random_hadamard"] = "hadamard"
+    kind: Literal["hadamard", "random_hadamard", "learned"] = "hadamard"
     residual: bool = True  # R1: the residual stream, through embedding, every block and the head
     values: bool = True  # R2: each attention head's values, between v_proj and o_proj
     down: bool = False  # R4: down_proj's input, online (a fast Walsh-Hadamard transform at run time)
-    seed: int = 0  # random_hadamard's signs
+    seed: int = 0  # random_hadamard's signs, and learned's start and sample order
+    steps: int | None = Field(None, gt=0)  # learned: optimizer steps, one calibration sample each (default 100)
+    lr: float | None = Field(None, gt=0)  # learned: the Cayley step's largest size (default 1.5, SpinQuant's)
+
+    @model_validator(mode="after")
+    def _learning(self):
+        if self.kind != "learned" and (self.steps is not None or self.lr is not None):
+            raise ValueError("steps and lr are options of kind: learned")
+        return self
 
 
 class Rotate(LayerPass):
     name = "rotate"
     Options = RotateOptions
-    needs_data = False
+
+    def __init__(self, options: RotateOptions, where: str):
+        super().__init__(options, where)
+        self.learned = options.kind == "learned"
+        self.needs_data = self.learned  # trained on the calibration samples
+        self.data_parallel = not self.learned  # one process trains
+        self.whole_model = self.learned  # trained through every block at once
+        self.r1 = self.r2 = self.r4 = None
+        self.fitted = not self.learned
+        self._index: dict[int, int] = {}
 
     def order_problem(self, before, after):
         if before:
             return f"rotates the model every other pass sees, so it must come first ({before[0].where} is before it)"
         if not (self.options.residual or self.options.values or self.options.down):
             return "rotates nothing: give residual: true, values: true, down: true or several"
+        if self.learned and not any(p.rounding is not None and hasattr(p, "scheme_for") for p in after):
+            return "kind: learned trains against the weight quantizer after it; put a quantization pass after it"
         folds = [p for p in after if p.name in FOLDS_INTO_DOWN]
         if self.options.down and folds:
             return (
@@ -109,20 +131,56 @@ class Rotate(LayerPass):
 
     def _matrix(self, n: int) -> torch.Tensor:
         r = hadamard.matrix(n, torch.float64)
-        if self.options.kind == "random_hadamard":
+        if self.options.kind != "hadamard":  # random_hadamard, and where learned rotations start
             r = hadamard.random_signs(n, self.options.seed).double()[:, None] * r
         return r
 
-    @torch.no_grad()
+    def _matrices(self, config) -> None:
+        """The rotations, once: every model this pass prepares (the student, a teacher) gets the same."""
+        if self.r1 is None and self.r2 is None and self.r4 is None:
+            self.r1 = self._matrix(config.hidden_size) if self.options.residual else None
+            self.r2 = self._matrix(self.head_dim) if self.options.values else None
+            self.r4 = hadamard.block_matrix(config.intermediate_size, torch.float64) if self.options.down else None
+
     def prepare(self, model: StreamedModel) -> None:
         """Rotate what is in memory (embedding, final norm, head, and every block held whole) and
-        have every block read later rotated as it is read."""
+        have every block read later rotated as it is read. Learned rotations wait for ``fit``."""
+        if self.fitted:
+            self._install(model)
+
+    def fit(self, model: StreamedModel, ids: torch.Tensor, passes: list[LayerPass], device: torch.device) -> None:
+        """``learned``: train the rotations on the calibration samples against the quantizers of the
+        passes after this one (``compress.learned_rotation``), then rotate the model with them."""
+        if self.fitted:
+            return
+        from ..learned_rotation import learn
+
+        self._matrices(model.config)
+        r2 = None if self.r2 is None else [self.r2.clone() for _ in range(len(model))]  # one per layer
+        o = self.options
+        self.r1, self.r2, losses = learn(
+            model.load_all(),
+            ids,
+            self,
+            passes[passes.index(self) + 1 :],
+            self.r1,
+            r2,
+            device,
+            steps=o.steps or 100,
+            lr=o.lr or 1.5,
+            seed=o.seed,
+        )
+        self.learning = {"loss": losses}
+        self.fitted = True
+        self._install(model)
+
+    @torch.no_grad()
+    def _install(self, model: StreamedModel) -> None:
         if getattr(model.model, "_compress_rotated", False):  # prepared already (apply, then the sweep)
             return
         model.model._compress_rotated = True
-        self.r1 = self._matrix(model.config.hidden_size) if self.options.residual else None
-        self.r2 = self._matrix(self.head_dim) if self.options.values else None
-        self.r4 = hadamard.block_matrix(model.config.intermediate_size, torch.float64) if self.options.down else None
+        self._matrices(model.config)
+        self._index.update({id(block): i for i, block in enumerate(model.layers)})  # learned R2: one per layer
         if self.r1 is not None:
             self._rotate_ends(model.model)
         for i in sorted(model.resident):
@@ -141,53 +199,20 @@ class Rotate(LayerPass):
             model.config.get_text_config().tie_word_embeddings = False
 
     def rotate_block(self, block: torch.nn.Module) -> None:
-        """One block as it is read: norms folded into the linears after them, then R2 and R1."""
+        """One block as it is read: norms folded into the linears after them, then R2, R1 and R4."""
+        r2 = self.r2 if not isinstance(self.r2, list) else self.r2[self._index[id(block)]]
         with torch.no_grad():
-            if self.r2 is not None:
-                self._rotate_values(block)
-            if self.r1 is not None:
-                self._rotate_residual(block)
+            for name, value in rotated_parameters(block, self.arch, self.head_dim, self.r1, r2, self.r4).items():
+                param = block.get_parameter(name)
+                param.data = value.to(param.dtype)
             if self.r4 is not None:
-                down = self._down(block)
-                down.weight.data = _to(down.weight.double() @ self.r4, down.weight)
-                hadamard.InputRotation().attach(down)  # its hook once, however often the block is read
-
-    def _down(self, block: torch.nn.Module) -> torch.nn.Linear:
-        """The linear that reads the MLP's product: the writer of the scaling other than the values'."""
-        (s,) = [
-            s
-            for s in self.arch.scalings
-            if s.prev != "self_attn.v_proj" and isinstance(block.get_submodule(s.prev), torch.nn.Linear)
-        ]
-        return block.get_submodule(s.linears[0])
-
-    def _rotate_residual(self, block: torch.nn.Module) -> None:
-        for s in self.arch.scalings:
-            prev = block.get_submodule(s.prev)
-            if isinstance(prev, torch.nn.Linear):  # v -> o, up -> down: o and down write the stream
-                writer = block.get_submodule(s.linears[0])
-                writer.weight.data = _to(self.r1.T @ writer.weight.double(), writer.weight)
-                if writer.bias is not None:
-                    writer.bias.data = _to(writer.bias.double() @ self.r1, writer.bias)
-                continue
-            w = prev.weight.double()  # a norm read by ``s.linears``: fold its weight, then rotate their inputs
-            prev.weight.data.fill_(1)
-            for name in s.linears:
-                lin = block.get_submodule(name)
-                lin.weight.data = _to((lin.weight.double() * w[None, :]) @ self.r1, lin.weight)
-
-    def _rotate_values(self, block: torch.nn.Module) -> None:
-        v, o = block.get_submodule("self_attn.v_proj"), block.get_submodule("self_attn.o_proj")
-        d, r2 = self.head_dim, self.r2
-        rows = v.weight.double().reshape(-1, d, v.in_features)  # per key-value head: v_h ← v_h R2
-        v.weight.data = _to((r2.T @ rows).reshape(v.weight.shape), v.weight)
-        if v.bias is not None:
-            v.bias.data = _to((v.bias.double().reshape(-1, d) @ r2).reshape(-1), v.bias)
-        cols = o.weight.double().reshape(o.out_features, -1, d)  # o reads every head's values rotated
-        o.weight.data = _to((cols @ r2).reshape(o.weight.shape), o.weight)
+                hadamard.InputRotation().attach(down_of(block, self.arch))  # its hook once, however often read
 
     def apply(self, block, data, prefix: str) -> None:
         """Nothing: the block was rotated as it was read (``prepare``)."""
+        if not self.fitted:
+            raise RuntimeError(f"{self.where}: learned rotations are trained by fit() before the sweep")
+        self.log.update(getattr(self, "learning", {}))  # the sweep starts every pass's log afresh
 
     def summary(self) -> str:
         o = self.options
@@ -195,6 +220,57 @@ class Rotate(LayerPass):
             p for p, on in (("residual", o.residual), ("values", o.values), ("down_proj input, online", o.down)) if on
         ]
         return f"rotate {self.options.kind.replace('_', ' ')} ({' and '.join(parts)})"
+
+
+def down_of(block: torch.nn.Module, arch) -> torch.nn.Linear:
+    """The linear that reads the MLP's product: the writer of the scaling other than the values'."""
+    (s,) = [
+        s
+        for s in arch.scalings
+        if s.prev != "self_attn.v_proj" and isinstance(block.get_submodule(s.prev), torch.nn.Linear)
+    ]
+    return block.get_submodule(s.linears[0])
+
+
+def rotated_parameters(block: torch.nn.Module, arch, head_dim: int, r1, r2, r4) -> dict[str, torch.Tensor]:
+    """The parameters of ``block`` that the rotations change, by name, as new tensors in the rotations'
+    dtype (differentiable in them: ``learned`` trains through this): R2 on each head's values
+    (``v_proj``'s rows, ``o_proj``'s columns per head), then each norm folded into the linears
+    that read it and R1 on the stream (readers ``W R1``, writers ``R1ᵀ W``), then ``W R4`` for
+    ``down_proj``. A rotation that is None is left out."""
+    dtype = next(r for r in (r1, r2, r4) if r is not None).dtype
+    out: dict[str, torch.Tensor] = {}
+
+    def get(name: str) -> torch.Tensor:
+        return out[name] if name in out else block.get_parameter(name).to(dtype)
+
+    def has(name: str) -> bool:
+        return getattr(block.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1], None) is not None
+
+    if r2 is not None:
+        v, o = "self_attn.v_proj", "self_attn.o_proj"
+        w = get(f"{v}.weight")
+        out[f"{v}.weight"] = (r2.T @ w.reshape(-1, head_dim, w.shape[1])).reshape(w.shape)  # v_h ← v_h R2
+        if has(f"{v}.bias"):
+            out[f"{v}.bias"] = (get(f"{v}.bias").reshape(-1, head_dim) @ r2).reshape(-1)
+        w = get(f"{o}.weight")  # o reads every head's values rotated
+        out[f"{o}.weight"] = (w.reshape(w.shape[0], -1, head_dim) @ r2).reshape(w.shape)
+    if r1 is not None:
+        for s in arch.scalings:
+            if isinstance(block.get_submodule(s.prev), torch.nn.Linear):  # v -> o, up -> down: o and down write
+                writer = s.linears[0]
+                out[f"{writer}.weight"] = r1.T @ get(f"{writer}.weight")
+                if has(f"{writer}.bias"):
+                    out[f"{writer}.bias"] = get(f"{writer}.bias") @ r1
+                continue
+            norm = get(f"{s.prev}.weight")  # a norm read by ``s.linears``: fold its weight, rotate their inputs
+            out[f"{s.prev}.weight"] = torch.ones_like(norm)
+            for name in s.linears:
+                out[f"{name}.weight"] = (get(f"{name}.weight") * norm[None, :]) @ r1
+    if r4 is not None:
+        down = next(n for n, m in block.named_modules() if m is down_of(block, arch))
+        out[f"{down}.weight"] = get(f"{down}.weight") @ r4
+    return out
 
 
 def _to(value: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
