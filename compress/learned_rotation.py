@@ -19,6 +19,7 @@ The model is trained whole, in a float32 copy: it is for models that fit in memo
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch.func import functional_call
@@ -92,10 +93,11 @@ def learn(
     steps: int,
     lr: float,
     seed: int,
-) -> tuple[torch.Tensor | None, list[torch.Tensor] | None, list[float]]:
+) -> tuple[torch.Tensor | None, list[torch.Tensor] | None, dict]:
     """Train ``r1`` and the per-layer ``r2`` (starting values, float64) of the ``rotate`` pass on the
     calibration ``ids`` (samples × seqlen), against the quantizer among ``later`` (the passes after
-    it). Returns them, orthonormal in float64, and the loss of every step."""
+    it). Returns them, orthonormal in float64, and a training log whose losses are the KL on one
+    calibration sample held out of training, before and after it (``loss_first``, ``loss_last``)."""
     quantizer = next(p for p in later if p.rounding is not None and hasattr(p, "scheme_for"))
     acts = next((p for p in later if p.name == "activations" and p.scheme.format == "int"), None)
     arch, head_dim = rotate.arch, rotate.head_dim
@@ -113,43 +115,54 @@ def learn(
     final_norm = student.get_submodule(arch.norm).weight
     head = student.get_output_embeddings().weight
     embedding = student.get_input_embeddings()
-    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed))
-    losses = []
+
+    def objective(x: torch.Tensor) -> torch.Tensor:
+        """KL from the original of the rotated, rounded model on one sample, differentiable in the rotations."""
+        overrides = {}
+        for i, block in enumerate(layers):
+            prefix = f"{arch.layers}.{i}."
+            rotated = rotated_parameters(block, arch, head_dim, R1, None if R2 is None else R2[i], r4)
+            for name, lin in quantizer.targets(block, prefix).items():
+                w = rotated.get(f"{name}.weight", lin.weight)
+                rounded = fake_quantize(w.detach(), quantizer.scheme_for(prefix + name))
+                rotated[f"{name}.weight"] = _straight_through(w, rounded)
+            overrides.update({prefix + name: t for name, t in rotated.items()})
+        x = x[None].to(device)
+        with torch.no_grad():  # what the original predicts
+            target = torch.log_softmax(student(x, use_cache=False).logits[0].float(), -1)
+        serving.on = True
+        if R1 is not None:  # the stream is rotated: embed, run the decoder with its final norm's weight 1, head
+            overrides[f"{arch.norm}.weight"] = torch.ones_like(final_norm)
+            inner = {k[len(base_name) + 1 :]: v for k, v in overrides.items()}
+            kwargs = dict(inputs_embeds=embedding(x) @ R1, use_cache=False)
+            hidden = functional_call(base, inner, args=(), kwargs=kwargs).last_hidden_state
+            logits = ((hidden @ R1.T) * final_norm) @ head.T
+        else:
+            logits = functional_call(student, overrides, args=(x,), kwargs=dict(use_cache=False)).logits
+        serving.on = False
+        logp = torch.log_softmax(logits[0].float(), -1)
+        return torch.nn.functional.kl_div(logp, target, log_target=True, reduction="batchmean")
+
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
+    held_out, train = ids[order[-1]], [ids[i] for i in (order[:-1] or order)]  # one sample judges the rotations
+    start, losses = time.perf_counter(), []
     try:
-        for step in tqdm(range(steps), desc="learning rotations", unit="step"):
-            overrides = {}
-            for i, block in enumerate(layers):
-                prefix = f"{arch.layers}.{i}."
-                rotated = rotated_parameters(block, arch, head_dim, R1, None if R2 is None else R2[i], r4)
-                for name, lin in quantizer.targets(block, prefix).items():
-                    w = rotated.get(f"{name}.weight", lin.weight)
-                    rounded = fake_quantize(w.detach(), quantizer.scheme_for(prefix + name))
-                    rotated[f"{name}.weight"] = _straight_through(w, rounded)
-                overrides.update({prefix + name: t for name, t in rotated.items()})
-            x = ids[order[step % len(ids)]][None].to(device)
-            with torch.no_grad():  # what the original predicts
-                target = torch.log_softmax(student(x, use_cache=False).logits[0].float(), -1)
-            serving.on = True
-            if R1 is not None:  # the stream is rotated: embed, run the decoder with its final norm's weight 1, head
-                overrides[f"{arch.norm}.weight"] = torch.ones_like(final_norm)
-                inner = {k[len(base_name) + 1 :]: v for k, v in overrides.items()}
-                kwargs = dict(inputs_embeds=embedding(x) @ R1, use_cache=False)
-                hidden = functional_call(base, inner, args=(), kwargs=kwargs).last_hidden_state
-                logits = ((hidden @ R1.T) * final_norm) @ head.T
-            else:
-                logits = functional_call(student, overrides, args=(x,), kwargs=dict(use_cache=False)).logits
-            serving.on = False
-            logp = torch.log_softmax(logits[0].float(), -1)
-            loss = torch.nn.functional.kl_div(logp, target, log_target=True, reduction="batchmean")
+        with torch.no_grad():
+            before = objective(held_out).item()
+        for step in (bar := tqdm(range(steps), desc="learning rotations", unit="step")):
+            loss = objective(train[step % len(train)])
             loss.backward()
-            for r, m in zip(trained, momenta):
-                _cayley_step(r, m, lr)
-            losses.append(round(loss.item(), 4))
+            for r, m in zip(trained, momenta):  # the step decays linearly to nothing
+                _cayley_step(r, m, lr * (1 - step / steps))
+            losses.append(loss.item())
+            bar.set_postfix(kl=f"{losses[-1]:.4g}")
+        with torch.no_grad():
+            after = objective(held_out).item()
     finally:
         serving.remove()
-    del student
+    log = {"steps": steps, "loss_first": before, "loss_last": after, "seconds": time.perf_counter() - start}
     return (
         None if R1 is None else _orthonormal(R1),
         None if R2 is None else [_orthonormal(r) for r in R2],
-        losses,
+        log,
     )

@@ -61,7 +61,7 @@ class RotateOptions(PassOptions):
     down: bool = False  # R4: down_proj's input, online (a fast Walsh-Hadamard transform at run time)
     seed: int = 0  # random_hadamard's signs, and learned's start and sample order
     steps: int | None = Field(None, gt=0)  # learned: optimizer steps, one calibration sample each (default 100)
-    lr: float | None = Field(None, gt=0)  # learned: the Cayley step's largest size (default 1.5, SpinQuant's)
+    lr: float | None = Field(None, gt=0)  # learned: the Cayley step's largest size (default 0.2), decaying to 0
 
     @model_validator(mode="after")
     def _learning(self):
@@ -158,7 +158,7 @@ class Rotate(LayerPass):
         self._matrices(model.config)
         r2 = None if self.r2 is None else [self.r2.clone() for _ in range(len(model))]  # one per layer
         o = self.options
-        self.r1, self.r2, losses = learn(
+        self.r1, self.r2, self.learning = learn(
             model.load_all(),
             ids,
             self,
@@ -167,10 +167,9 @@ class Rotate(LayerPass):
             r2,
             device,
             steps=o.steps or 100,
-            lr=o.lr or 1.5,
+            lr=o.lr or 0.2,
             seed=o.seed,
         )
-        self.learning = {"loss": losses}
         self.fitted = True
         self._install(model)
 
