@@ -34,6 +34,7 @@ class MemoryPlan:
     compress: dict[str, int] = field(default_factory=dict)  # bytes by what holds them
     evaluate: dict[str, int] = field(default_factory=dict)
     allocate: dict[str, int] = field(default_factory=dict)  # measuring an ``allocate`` key's costs, before compressing
+    learn: dict[str, int] = field(default_factory=dict)  # training learned rotations, before compressing
     shared: dict[str, int] = field(default_factory=dict)  # held in both phases
     disk: dict[str, int] = field(default_factory=dict)  # spilled (``apply --spill``): files, not RAM
     kept: int = 0  # disk beside the output for the finished blocks ``--resume`` reads back
@@ -42,12 +43,12 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
-        phases = (self.compress, self.evaluate, self.allocate)
+        phases = (self.compress, self.evaluate, self.allocate, self.learn)
         one = RUNTIME + sum(self.shared.values()) + max(sum(phase.values()) for phase in phases)
         return self.processes * one
 
     def describe(self) -> str:
-        parts = {**self.shared, **self.compress, **self.evaluate, **self.allocate}
+        parts = {**self.shared, **self.compress, **self.evaluate, **self.allocate, **self.learn}
         top = ", ".join(f"{k} {v / GB:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
         spilled = "".join(f"; {k} on disk ≈ {v / GB:.1f} GB" for k, v in self.disk.items())
         kept = f"; finished blocks kept for --resume ≤ {self.kept / GB:.1f} GB on disk" if self.kept else ""
@@ -123,6 +124,13 @@ def plan(
         plan.allocate["allocation: one block and its statistics"] = n_block * (stored + 2 * f32) + sum(
             m.in_features**2 * f32 for m in linears
         )
+    if any(getattr(p, "learned", False) for p in passes):  # rotate: {kind: learned}
+        n_all = n_block * len(model) + n_outside
+        per_token = (12 * hidden + 3 * cfg.intermediate_size) * len(model) + 3 * cfg.vocab_size  # kept for backward
+        # the float32 copy, each step's rotated and rounded weights, and what autograd keeps of them
+        plan.learn["learned rotations: a float32 copy, its rotated weights, one sample's activations"] = (
+            4 * n_all * f32 + cal_seqlen * per_token * f32
+        )
     return plan
 
 
@@ -131,7 +139,7 @@ def check(plan: MemoryPlan, device: torch.device) -> None:
     free = available_bytes(device)
     if free is None or plan.peak <= free or os.environ.get("COMPRESS_SKIP_MEMORY_CHECK") == "1":
         return
-    biggest = max({**plan.compress, **plan.evaluate, **plan.allocate}.items(), key=lambda kv: kv[1])
+    biggest = max({**plan.compress, **plan.evaluate, **plan.allocate, **plan.learn}.items(), key=lambda kv: kv[1])
     spill = ", or --spill DIR to keep them in files" if biggest[0] == "calibration activations" else ""
     samples = "the recipe's allocate.samples" if biggest[0].startswith("allocation") else "--samples"
     raise MemoryPlanError(
