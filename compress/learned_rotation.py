@@ -82,36 +82,13 @@ def _orthonormal(r: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def learn(
-    model: torch.nn.Module,
-    ids: torch.Tensor,
-    rotate,
-    later: list,
-    r1: torch.Tensor | None,
-    r2: list[torch.Tensor] | None,
-    device: torch.device,
-    steps: int,
-    lr: float,
-    seed: int,
-) -> tuple[torch.Tensor | None, list[torch.Tensor] | None, dict]:
-    """Train ``r1`` and the per-layer ``r2`` (starting values, float64) of the ``rotate`` pass on the
-    calibration ``ids`` (samples × seqlen), against the quantizer among ``later`` (the passes after
-    it). Returns them, orthonormal in float64, and a training log whose losses are the KL on one
-    calibration sample held out of training, before and after it (``loss_first``, ``loss_last``)."""
-    quantizer = next(p for p in later if p.rounding is not None and hasattr(p, "scheme_for"))
-    acts = next((p for p in later if p.name == "activations" and p.scheme.format == "int"), None)
+def _objective(student, rotate, quantizer, serving: _Serving, R1, R2, r4, device):
+    """The training loss as a function of one sample: the KL from the original (``student`` with
+    nothing overridden) of the model rotated by ``R1``/``R2``/``r4`` and rounded as served."""
     arch, head_dim = rotate.arch, rotate.head_dim
-    student = copy.deepcopy(model).float().to(device).eval()
-    student.requires_grad_(False)
     layers = decoder_layers(student)
     base_name = arch.layers.rsplit(".", 1)[0]  # the decoder under the head ("model")
     base = student.get_submodule(base_name)
-    r4 = None if rotate.r4 is None else rotate.r4.to(device, torch.float32)
-    R1 = None if r1 is None else r1.to(device, torch.float32).requires_grad_()
-    R2 = [r.to(device, torch.float32).requires_grad_() for r in r2] if r2 is not None else None
-    trained = ([R1] if R1 is not None else []) + (R2 or [])
-    momenta = [torch.zeros_like(r) for r in trained]
-    serving = _Serving(layers, arch, r4, acts)
     final_norm = student.get_submodule(arch.norm).weight
     head = student.get_output_embeddings().weight
     embedding = student.get_input_embeddings()
@@ -143,9 +120,39 @@ def learn(
         logp = torch.log_softmax(logits[0].float(), -1)
         return torch.nn.functional.kl_div(logp, target, log_target=True, reduction="batchmean")
 
+    return objective
+
+
+def learn(
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    rotate,
+    later: list,
+    r1: torch.Tensor | None,
+    r2: list[torch.Tensor] | None,
+    device: torch.device,
+    steps: int,
+    lr: float,
+    seed: int,
+) -> tuple[torch.Tensor | None, list[torch.Tensor] | None, dict]:
+    """Train ``r1`` and the per-layer ``r2`` (starting values, float64) of the ``rotate`` pass on the
+    calibration ``ids`` (samples × seqlen), against the quantizer among ``later`` (the passes after
+    it). Returns them, orthonormal in float64, and a training log whose losses are the KL on one
+    calibration sample held out of training, before and after it (``loss_first``, ``loss_last``)."""
+    quantizer = next(p for p in later if p.rounding is not None and hasattr(p, "scheme_for"))
+    acts = next((p for p in later if p.name == "activations" and p.scheme.format == "int"), None)
+    student = copy.deepcopy(model).float().to(device).eval()
+    student.requires_grad_(False)
+    r4 = None if rotate.r4 is None else rotate.r4.to(device, torch.float32)
+    R1 = None if r1 is None else r1.to(device, torch.float32).requires_grad_()
+    R2 = [r.to(device, torch.float32).requires_grad_() for r in r2] if r2 is not None else None
+    trained = ([R1] if R1 is not None else []) + (R2 or [])
+    momenta = [torch.zeros_like(r) for r in trained]
+    serving = _Serving(decoder_layers(student), rotate.arch, r4, acts)
+    objective = _objective(student, rotate, quantizer, serving, R1, R2, r4, device)
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
     held_out, train = ids[order[-1]], [ids[i] for i in (order[:-1] or order)]  # one sample judges the rotations
-    start, losses = time.perf_counter(), []
+    start = time.perf_counter()
     try:
         with torch.no_grad():
             before = objective(held_out).item()
@@ -154,8 +161,7 @@ def learn(
             loss.backward()
             for r, m in zip(trained, momenta):  # the step decays linearly to nothing
                 _cayley_step(r, m, lr * (1 - step / steps))
-            losses.append(loss.item())
-            bar.set_postfix(kl=f"{losses[-1]:.4g}")
+            bar.set_postfix(kl=f"{loss.item():.4g}")
         with torch.no_grad():
             after = objective(held_out).item()
     finally:
