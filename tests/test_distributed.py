@@ -4,6 +4,7 @@ statistics are combined, sweeps split by rows, and the export equals one process
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 
@@ -31,20 +32,35 @@ def model_folder(tmp_path_factory, smollm2):
     return tiny_folder(tmp_path_factory.mktemp("model"), smollm2.tokenizer)
 
 
-def _run(args, processes: int, program=("-m", "compress")):
-    """``compress`` (or a script) as one process or under torchrun, one thread each."""
+def _start(command: list[str]) -> subprocess.Popen:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.getcwd())
-    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", "--standalone"]
-    command = (launcher if processes > 1 else [sys.executable]) + [*program, *args]
-    with subprocess.Popen(
+    return subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    ) as run:
+    )
+
+
+def _finish(run: subprocess.Popen) -> subprocess.CompletedProcess:
+    with run:
         try:
             out, err = run.communicate(timeout=300)
         except subprocess.TimeoutExpired:
             os.killpg(run.pid, signal.SIGKILL)  # the launcher and its workers: none is left waiting
             raise
-    return subprocess.CompletedProcess(command, run.returncode, out, err)
+    return subprocess.CompletedProcess(run.args, run.returncode, out, err)
+
+
+def _run(args, processes: int, program=("-m", "compress")):
+    """``compress`` (or a script) as one process or under torchrun, one thread each."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={processes}", "--standalone"]
+    return _finish(_start((launcher if processes > 1 else [sys.executable]) + [*program, *args]))
+
+
+def _same_exports(one, two):
+    first, second = (load_file(folder / "model.safetensors") for folder in (one, two))
+    assert first.keys() == second.keys()
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    assert sorted(p.name for p in two.iterdir()) == sorted(p.name for p in one.iterdir())
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed in this build")
@@ -60,14 +76,35 @@ def test_two_processes_write_the_export_one_process_writes(passes, model_folder,
         )
         assert done.returncode == 0, done.stderr[-3000:]
         outputs[processes] = out
-    one, two = (load_file(outputs[n] / "model.safetensors") for n in (1, 2))
-    assert one.keys() == two.keys()
-    for name in one:
-        assert torch.equal(one[name], two[name]), name
-    assert sorted(p.name for p in outputs[2].iterdir()) == sorted(p.name for p in outputs[1].iterdir())
+    _same_exports(outputs[1], outputs[2])
     reports = [json.loads((outputs[n] / "report.json").read_text())["eval"] for n in (1, 2)]
     for key in ("ppl", "ref_ppl", "kl", "top1", "ppl_se", "increase_se"):  # windows split across ranks, sums combined
         assert reports[1][key] == pytest.approx(reports[0][key], rel=1e-9, abs=1e-12), key
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed in this build")
+def test_two_nodes_over_loopback_write_the_export_one_process_writes(model_folder, tmp_path):
+    """The documented multi-node command, its two node ranks on one machine (one process each,
+    talking over 127.0.0.1)."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(RECIPE + PASSES["awq scales + gptq actorder gptaq"])
+    args = ["apply", str(recipe), "--model", str(model_folder), "--device", "cpu"]
+    alone = _run([*args, "--output", str(tmp_path / "one")], 1)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nodes = [
+        _start(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(rank)]
+            + ["--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+            + ["-m", "compress", *args, "--output", str(tmp_path / "two")]
+        )
+        for rank in (0, 1)
+    ]
+    for done in [_finish(node) for node in nodes]:
+        assert done.returncode == 0, done.stderr[-3000:]
+    _same_exports(tmp_path / "one", tmp_path / "two")
 
 
 def test_a_refused_run_of_two_processes_says_why_in_one_line_and_writes_nothing(model_folder, tmp_path):
