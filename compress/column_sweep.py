@@ -51,7 +51,8 @@ def obs_sweep(
     ``asymmetry`` (``AsymmetricHessian.asymmetry``) and ``alpha``: GPTAQ's correction;
     ``actorder``: columns go in order of decreasing ``diag(H)`` while group scales stay tied to
     the original column positions ("static groups"), so the export needs no permutation (no
-    ``g_idx``). With several processes each rank sweeps a share of the rows (they never
+    ``g_idx``); ``overwrite``: ``H`` is factorised in place, for its last reader
+    (``Hessian.take``). With several processes each rank sweeps a share of the rows (they never
     interact, except through an unstructured mask, chosen across rows: that sweep runs whole).
     """
 
@@ -97,8 +98,9 @@ def _sweep(
     asymmetry: torch.Tensor | None = None,
     alpha: float = 0.25,
     global_scale: torch.Tensor | None = None,
+    overwrite: bool = False,
 ) -> SweepResult:
-    W = weight.float().clone()
+    W = weight.to(torch.float32, copy=True)
     rows, cols = W.shape
     dead = dead_columns(H)
     W[:, dead] = 0
@@ -114,8 +116,9 @@ def _sweep(
         Q = torch.empty(rows, cols, dtype=scheme.q_dtype, device=W.device)
 
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else torch.arange(cols, device=W.device)
-    W, H, mask = W[:, perm], H[perm][:, perm], mask[:, perm]
-    U = inverse_cholesky(H, percdamp, name)
+    if actorder:  # copies of the weight: only when the order changes
+        W, mask = W[:, perm], mask[:, perm]
+    U = inverse_cholesky(H, percdamp, name, perm, overwrite)
     group = (perm // gs).tolist() if scheme is not None else None
     P = None if asymmetry is None else _asymmetry_update(asymmetry, dead, perm, U, alpha)
 
@@ -157,12 +160,15 @@ def _sweep(
         if P is not None:
             W[:, i2:] += Before1 @ P[i1:i2, i2:]
 
-    inverse = torch.argsort(perm)
+    if actorder:
+        inverse = torch.argsort(perm)
+        W, mask = W[:, inverse], mask[:, inverse]
+        Q = None if scheme is None else Q[:, inverse]
     quantized = None
     if scheme is not None:
         scale = scale.to(scheme.scale_dtype(dtype))
-        quantized = QuantizedWeight(scheme, Q[:, inverse], scale, zero.to(scheme.zero_dtype), global_scale)
-    return SweepResult(W[:, inverse], mask[:, inverse], quantized)
+        quantized = QuantizedWeight(scheme, Q, scale, zero.to(scheme.zero_dtype), global_scale)
+    return SweepResult(W, mask, quantized)
 
 
 def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool, make_stat=Hessian):

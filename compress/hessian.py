@@ -45,7 +45,7 @@ class Hessian:
 
     XᵀX is symmetric, so only its lower triangle is multiplied, in panels of ``PANEL`` rows
     (44% fewer multiply-adds than the full product for a 1536-wide input, a third less time
-    on our CPU; ``H`` mirrors it).
+    on our CPU; ``H`` mirrors it). One matrix of that size is all it ever holds.
     """
 
     PANEL = 192
@@ -54,29 +54,42 @@ class Hessian:
         device = linear.weight.device
         self.lower = torch.zeros(linear.in_features, linear.in_features, device=device, dtype=statistics_dtype(device))
         self.n = 0
-        self._H = None
+        self._full = False
 
     def add(self, x: torch.Tensor) -> None:
+        if self._full:
+            raise RuntimeError("inputs added to a Hessian after it was read")
         x = x.reshape(-1, x.shape[-1]).to(self.lower.dtype)
         self.n += x.shape[0]
         width = x.shape[1]
         for start in range(0, width, self.PANEL):
             end = min(start + self.PANEL, width)
             self.lower[start:end, :end].addmm_(x[:, start:end].T, x[:, :end])
-        self._H = None
 
     def reduce(self) -> None:
         """The sums over every rank's samples (several processes)."""
         distributed.sum_(self.lower)
         self.n = int(distributed.total(self.n)[0])
-        self._H = None
 
     @property
     def H(self) -> torch.Tensor:
-        if self._H is None:
-            lower = self.lower.tril()
-            self._H = (lower + lower.tril(-1).T) * (2 / max(self.n, 1))
-        return self._H
+        """The full matrix, made from the sums in place the first time it is read (a second copy of
+        a 28672-wide float64 Hessian would be 6.6 GB); no inputs can be added after that."""
+        if self.lower is None:
+            raise RuntimeError("this Hessian was handed to a factorisation (take) and no longer exists")
+        if not self._full:
+            width = self.lower.shape[0]
+            for start in range(0, width, self.PANEL):  # add() filled each panel's diagonal block whole
+                end = min(start + self.PANEL, width)
+                self.lower[start:end, end:] = self.lower[end:, start:end].T
+            self.lower *= 2 / max(self.n, 1)
+            self._full = True
+        return self.lower
+
+    def take(self) -> torch.Tensor:
+        """``H``, for its last reader to factorise in place (``inverse_cholesky(..., overwrite=True)``)."""
+        H, self.lower = self.H, None
+        return H
 
 
 class AsymmetricHessian(Hessian):
@@ -110,37 +123,121 @@ def dead_columns(H: torch.Tensor) -> torch.Tensor:
     return torch.diag(H) == 0
 
 
-def dampened_cholesky(H: torch.Tensor, percdamp: float, name: str, tries: int = 6) -> torch.Tensor | None:
+def dampened_cholesky(H: torch.Tensor, percdamp: float, name: str) -> torch.Tensor | None:
     """Lower Cholesky factor (float32) of ``H + λI``, ``λ = percdamp · mean(diag H)``, or None if it never factors."""
-    L = _dampened_cholesky(H, percdamp, name, tries)
-    return None if L is None else L.float()
+    work = H.clone()
+    return work.T.float() if _factor_(work, H, dead_columns(H), None, percdamp, name) else None
 
 
-def _dampened_cholesky(H: torch.Tensor, percdamp: float, name: str, tries: int = 6) -> torch.Tensor | None:
-    """The factor in ``H``'s dtype. Dead channels get a unit diagonal first. If the factorisation
-    fails, λ grows tenfold per try (warned, naming ``name``)."""
-    H = H.clone()
-    dead = dead_columns(H)
-    H[dead, dead] = 1
-    mean_diag = torch.mean(torch.diag(H)).item()
+def _factor_(
+    work: torch.Tensor, start: torch.Tensor, dead: torch.Tensor, order: torch.Tensor | None, percdamp: float, name: str
+) -> bool:
+    """``work`` (which holds ``start``) ← ``Mᵀ``, ``M`` the lower Cholesky factor of ``start`` with its
+    rows and columns in ``order``, dead channels given a unit diagonal and ``λ`` added to it. If
+    the factorisation fails, ``work`` starts again from ``start`` with λ ten times larger (warned,
+    naming ``name``). False if it never succeeds."""
     damp = percdamp
-    for attempt in range(tries):
-        L, info = torch.linalg.cholesky_ex(H + damp * mean_diag * torch.eye(H.shape[0], device=H.device))
-        if info == 0 and torch.isfinite(L).all():
+    for attempt in range(6):
+        if attempt:
+            work.copy_(start)
+        if order is not None:
+            _permute_symmetric_(work, order)
+        d = torch.diagonal(work)
+        d.masked_fill_(dead if order is None else dead[order], 1)
+        d += damp * d.mean()
+        # work is symmetric, so its transpose is the same matrix laid out as LAPACK wants it: the
+        # factor is written into it in place (work becomes Mᵀ, its lower triangle zeroed)
+        columns, info = work.mT, torch.empty((), dtype=torch.int32, device=work.device)
+        torch.linalg.cholesky_ex(columns, out=(columns, info))
+        if info == 0 and torch.isfinite(work).all():
             if attempt:
                 warnings.warn(f"{name}: Hessian not positive definite; dampening raised to {damp:g}", stacklevel=3)
-            return L
+            return True
         damp = damp * 10 if damp > 0 else 1e-3
-    return None
+    return False
 
 
-def inverse_cholesky(H: torch.Tensor, percdamp: float, name: str) -> torch.Tensor:
-    """Upper Cholesky factor (float32) of ``(H + λI)⁻¹``, the matrix OBS-style updates read."""
-    L = _dampened_cholesky(H, percdamp, name)
-    if L is not None:
-        U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
-        if info == 0 and torch.isfinite(U).all():
-            return U.float()
-    # Last resort: keep only the diagonal. GPTQ then spreads no error: round-to-nearest for this layer.
-    warnings.warn(f"{name}: Hessian could not be factorised; using its diagonal (no error feedback)", stacklevel=2)
-    return torch.diag(torch.diag(H).clamp(min=1e-8).rsqrt()).float()
+def inverse_cholesky(
+    H: torch.Tensor, percdamp: float, name: str, order: torch.Tensor | None = None, overwrite: bool = False
+) -> torch.Tensor:
+    """Upper Cholesky factor (float32) of ``(H + λI)⁻¹`` with rows and columns in ``order`` (GPTQ's
+    act-order; default: as they are), the matrix OBS-style updates read.
+
+    With ``J`` the reversal, ``J H J = M Mᵀ`` gives ``H⁻¹ = (J M⁻¹ J)ᵀ (J M⁻¹ J)``, and ``J M⁻¹ J``
+    is upper triangular: one factorisation and one triangular inverse, half the work of the usual
+    factor, invert, factor again. Every step runs in place on one working matrix, ``H`` itself
+    with ``overwrite`` (the caller's copy is destroyed; a float32 copy is kept in case the
+    factorisation has to be retried), so the peak is that matrix and the float32 factor: 1.5×
+    ``H`` instead of five copies of it.
+    """
+    width = H.shape[0]
+    order = torch.arange(width, device=H.device) if order is None else order.to(H.device)
+    diagonal, dead = torch.diagonal(H).clone(), dead_columns(H)
+    start = H.float() if overwrite else H
+    work = H if overwrite else H.clone()
+    factored = _factor_(work, start, dead, order.flip(0), percdamp, name)
+    del start
+    if not factored:
+        # Last resort: keep only the diagonal. GPTQ then spreads no error: round-to-nearest for this layer.
+        warnings.warn(f"{name}: Hessian could not be factorised; using its diagonal (no error feedback)", stacklevel=2)
+        return torch.diag(diagonal[order].clamp(min=1e-8).rsqrt()).float()
+    _invert_upper_(work)  # Mᵀ → M⁻ᵀ
+    U = torch.empty(width, width, dtype=torch.float32, device=H.device)
+    for first in range(0, width, _BLOCK):  # U = J M⁻¹ J = (J M⁻ᵀ J)ᵀ, a band of rows at a time
+        last = min(first + _BLOCK, width)
+        U[first:last] = work[:, width - last : width - first].flip(0, 1).T
+    return U
+
+
+_BLOCK = 512  # rows and columns per step of the in-place matrix operations
+
+
+def _permute_symmetric_(S: torch.Tensor, order: torch.Tensor) -> None:
+    """``S ← S[order][:, order]`` for a symmetric ``S``, in place: rows follow the permutation's
+    cycles, then the transpose (``(P S)ᵀ = S Pᵀ``) and the rows once more."""
+    if torch.equal(order, torch.arange(len(order), device=order.device)):
+        return
+    _permute_rows_(S, order.tolist())
+    _transpose_(S)
+    _permute_rows_(S, order.tolist())
+
+
+def _permute_rows_(S: torch.Tensor, order: list[int]) -> None:
+    done = [False] * len(order)
+    for start in range(len(order)):
+        if done[start] or order[start] == start:
+            continue
+        first, i = S[start].clone(), start
+        while order[i] != start:  # row i takes row order[i], which moves next
+            done[i] = True
+            S[i] = S[order[i]]
+            i = order[i]
+        done[i] = True
+        S[i] = first
+
+
+def _transpose_(S: torch.Tensor) -> None:
+    """A square matrix transposed in place, a pair of blocks at a time."""
+    width = S.shape[0]
+    for r in range(0, width, _BLOCK):
+        r2 = min(r + _BLOCK, width)
+        S[r:r2, r:r2] = S[r:r2, r:r2].T.clone()
+        for c in range(r2, width, _BLOCK):
+            c2 = min(c + _BLOCK, width)
+            upper = S[r:r2, c:c2].clone()
+            S[r:r2, c:c2] = S[c:c2, r:r2].T
+            S[c:c2, r:r2] = upper.T
+
+
+def _invert_upper_(T: torch.Tensor) -> None:
+    """An upper triangular matrix (zeros below the diagonal) replaced by its inverse, in place, a
+    block column at a time (LAPACK's trtri): with the leading block already inverted,
+    ``T⁻¹[:j, j:k] = -T[:j, :j]⁻¹ T[:j, j:k] T[j:k, j:k]⁻¹``."""
+    width = T.shape[0]
+    for j in range(0, width, _BLOCK):
+        k = min(j + _BLOCK, width)
+        D = T[j:k, j:k]
+        if j:
+            above = T[:j, :j] @ T[:j, j:k]
+            T[:j, j:k] = -torch.linalg.solve_triangular(D, above, upper=True, left=False)
+        D.copy_(torch.linalg.solve_triangular(D, torch.eye(k - j, dtype=T.dtype, device=T.device), upper=True))

@@ -3,7 +3,7 @@ import torch
 
 from compress.arch import arch_of, decoder_layers, fold
 from compress.column_sweep import obs_sweep
-from compress.hessian import AsymmetricHessian, Hessian
+from compress.hessian import AsymmetricHessian, Hessian, inverse_cholesky
 from compress.passes.awq import search_scale
 from compress.passes.base import RecipeError
 from compress.quant import QuantScheme, dequantize, quantize_weight, quantized_of
@@ -35,6 +35,38 @@ def test_hessian_accumulates_two_over_n_xtx_over_uneven_batches():
     assert h.n == 700
     torch.testing.assert_close(h.H, 2 / 700 * X.double().T @ X.double(), rtol=1e-5, atol=1e-5, check_dtype=False)
     assert torch.equal(h.H, h.H.T)
+
+
+def test_hessian_is_read_once_filled_and_handed_over_once():
+    h = Hessian(torch.nn.Linear(20, 4))
+    h.add(torch.randn(30, 20))
+    H = h.H
+    with pytest.raises(RuntimeError, match="after it was read"):
+        h.add(torch.randn(3, 20))
+    assert h.take() is H
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        _ = h.H
+
+
+@pytest.mark.parametrize("width", [7, 700])  # 700: several blocks of the in-place steps
+def test_inverse_cholesky_in_place_is_the_textbook_factor(width):
+    """The reversal trick, in place, gives the factor of the usual three steps (factor, invert,
+    factor upper) on the permuted, dampened matrix; dead channels included; destroying the input
+    (``overwrite``) changes nothing."""
+    torch.manual_seed(0)
+    X = torch.randn(width + 30, width, dtype=torch.float64)
+    X[:, 3] = 0  # a dead channel
+    H = X.T @ X
+    order = torch.randperm(width)
+    expected = H.clone()
+    expected[3, 3] = 1
+    expected = expected[order][:, order]
+    expected += 0.01 * expected.diagonal().mean() * torch.eye(width, dtype=torch.float64)
+    expected = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(expected)), upper=True)
+    U = inverse_cholesky(H, 0.01, "layer", order)
+    torch.testing.assert_close(U, expected.float(), rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    assert torch.equal(U, U.triu())
+    assert torch.equal(inverse_cholesky(H.clone(), 0.01, "layer", order, overwrite=True), U)
 
 
 @pytest.mark.parametrize("actorder", [False, True])

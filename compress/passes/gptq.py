@@ -82,22 +82,26 @@ class GPTQ(WeightQuantPass):
                     attach(lin, quantize_weight(w, self.scheme_for(prefix + name), self.dtype))
                 continue
             schemes = {name: self.scheme_for(prefix + name) for name in group}  # a GGUF mix may differ within a group
-            for scheme in dict.fromkeys(schemes.values()):
+            distinct = list(dict.fromkeys(schemes.values()))
+            for scheme in distinct:
                 names = [name for name in group if schemes[name] == scheme]
-                self._sweep([targets[name] for name in names], H, scheme, prefix + "/".join(names))
+                last = scheme == distinct[-1]
+                self._sweep([targets[name] for name in names], H, scheme, prefix + "/".join(names), last)
 
-    def _sweep(self, linears: list, H, scheme, name: str) -> None:
+    def _sweep(self, linears: list, H, scheme, name: str, last: bool) -> None:
         """Round ``linears``, which read one input, with ``scheme``. Rows never interact in the sweep,
-        so they go through it as one stacked matrix: one factorisation, one pass over the columns."""
+        so they go through it as one stacked matrix: one factorisation, one pass over the columns.
+        ``last``: no other sweep reads ``H``, which is then factorised in place."""
         o = self.options
-        weight = torch.cat([lin.weight.data for lin in linears])
+        weight = torch.cat([lin.weight.data for lin in linears]) if len(linears) > 1 else linears[0].weight.data
         masks = [prune_mask_of(lin) for lin in linears]
         mask = torch.cat(
             [m if m is not None else torch.zeros_like(lin.weight, dtype=torch.bool) for lin, m in zip(linears, masks)]
         )  # no prune mask: nothing pruned
+        asymmetry = H.asymmetry if o.gptaq else None
         q = obs_sweep(
             weight,
-            H.H,
+            H.take() if last else H.H,
             name,
             scheme=scheme,
             dtype=self.dtype,
@@ -105,8 +109,9 @@ class GPTQ(WeightQuantPass):
             percdamp=o.percdamp,
             blocksize=o.blocksize,
             actorder=o.actorder,
-            asymmetry=H.asymmetry if o.gptaq else None,
+            asymmetry=asymmetry,
             alpha=o.gptaq_alpha,
+            overwrite=last,
         ).quantized
         rows = [lin.out_features for lin in linears]
         # NVFP4's global scale is shared by the stacked linears, a k-quant's super-block scales are per row

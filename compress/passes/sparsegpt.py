@@ -60,31 +60,33 @@ class SparseGPT(PrunePass):
     def apply(self, block, data, prefix: str) -> None:
         o = self.options
         targets = self.targets(block, prefix)
-        stages = hessian_stages(data, self.target_groups(targets), o.true_sequential)
-        for name, H in ((name, H) for group, H in stages for name in group):  # masks are chosen per linear
-            lin = targets[name]
-            if not usable(H):
-                warnings.warn(
-                    f"{prefix}{name}: no usable calibration input; falling back to magnitude pruning", stacklevel=2
-                )
-                prune_by_magnitude(lin, self.pattern)
-                continue
-            result = obs_sweep(
-                lin.weight.data,
-                H.H,
-                prefix + name,
-                scheme=self.scheme,
-                dtype=self.dtype,
-                prune=self.pattern,
-                mask=prune_mask_of(lin),
-                percdamp=o.percdamp,
-                blocksize=o.blocksize,
-            )
-            if result.quantized is not None:
-                attach(lin, result.quantized)
-            else:
-                lin.weight.data = result.weight.to(self.dtype).to(lin.weight.dtype)
-            apply_mask(lin, result.mask)
+        for group, H in hessian_stages(data, self.target_groups(targets), o.true_sequential):
+            for name in group:  # masks are chosen per linear; the group's last factorises H in place
+                self._sweep(targets[name], H, prefix + name, last=name == group[-1])
+
+    def _sweep(self, lin, H, name: str, last: bool) -> None:
+        o = self.options
+        if not usable(H):
+            warnings.warn(f"{name}: no usable calibration input; falling back to magnitude pruning", stacklevel=3)
+            prune_by_magnitude(lin, self.pattern)
+            return
+        result = obs_sweep(
+            lin.weight.data,
+            H.take() if last else H.H,
+            name,
+            scheme=self.scheme,
+            dtype=self.dtype,
+            prune=self.pattern,
+            mask=prune_mask_of(lin),
+            percdamp=o.percdamp,
+            blocksize=o.blocksize,
+            overwrite=last,
+        )
+        if result.quantized is not None:
+            attach(lin, result.quantized)
+        else:
+            lin.weight.data = result.weight.to(self.dtype).to(lin.weight.dtype)
+        apply_mask(lin, result.mask)
 
     def summary(self) -> str:
         return super().summary() + (f" + {self.scheme.describe()}" if self.scheme is not None else "")
