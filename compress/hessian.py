@@ -126,35 +126,7 @@ def dead_columns(H: torch.Tensor) -> torch.Tensor:
 def dampened_cholesky(H: torch.Tensor, percdamp: float, name: str) -> torch.Tensor | None:
     """Lower Cholesky factor (float32) of ``H + λI``, ``λ = percdamp · mean(diag H)``, or None if it never factors."""
     work = H.clone()
-    return work.T.float() if _factor_(work, H, dead_columns(H), None, percdamp, name) else None
-
-
-def _factor_(
-    work: torch.Tensor, start: torch.Tensor, dead: torch.Tensor, order: torch.Tensor | None, percdamp: float, name: str
-) -> bool:
-    """``work`` (which holds ``start``) ← ``Mᵀ``, ``M`` the lower Cholesky factor of ``start`` with its
-    rows and columns in ``order``, dead channels given a unit diagonal and ``λ`` added to it. If
-    the factorisation fails, ``work`` starts again from ``start`` with λ ten times larger (warned,
-    naming ``name``). False if it never succeeds."""
-    damp = percdamp
-    for attempt in range(6):
-        if attempt:
-            work.copy_(start)
-        if order is not None:
-            _permute_symmetric_(work, order)
-        d = torch.diagonal(work)
-        d.masked_fill_(dead if order is None else dead[order], 1)
-        d += damp * d.mean()
-        # work is symmetric, so its transpose is the same matrix laid out as LAPACK wants it: the
-        # factor is written into it in place (work becomes Mᵀ, its lower triangle zeroed)
-        columns, info = work.mT, torch.empty((), dtype=torch.int32, device=work.device)
-        torch.linalg.cholesky_ex(columns, out=(columns, info))
-        if info == 0 and torch.isfinite(work).all():
-            if attempt:
-                warnings.warn(f"{name}: Hessian not positive definite; dampening raised to {damp:g}", stacklevel=3)
-            return True
-        damp = damp * 10 if damp > 0 else 1e-3
-    return False
+    return work.T.float() if _factor_(work, H, dead_columns(H), None, percdamp, name, upper=False) else None
 
 
 def inverse_cholesky(
@@ -163,43 +135,92 @@ def inverse_cholesky(
     """Upper Cholesky factor (float32) of ``(H + λI)⁻¹`` with rows and columns in ``order`` (GPTQ's
     act-order; default: as they are), the matrix OBS-style updates read.
 
-    With ``J`` the reversal, ``J H J = M Mᵀ`` gives ``H⁻¹ = (J M⁻¹ J)ᵀ (J M⁻¹ J)``, and ``J M⁻¹ J``
-    is upper triangular: one factorisation and one triangular inverse, half the work of the usual
-    factor, invert, factor again. Every step runs in place on one working matrix, ``H`` itself
-    with ``overwrite`` (the caller's copy is destroyed; a float32 copy is kept in case the
-    factorisation has to be retried), so the peak is that matrix and the float32 factor: 1.5×
-    ``H`` instead of five copies of it.
+    With ``J`` the reversal, ``J H J = Rᵀ R`` (torch's upper factor) gives ``H = V Vᵀ`` with
+    ``V = J Rᵀ J`` upper triangular, and ``H⁻¹ = Uᵀ U`` with ``U = V⁻¹``: one factorisation and
+    one triangular inverse, half the work of the usual factor, invert, factor again. Every step
+    runs in place in one matrix, the float32 result included, so with ``overwrite`` (``H`` is
+    the caller's to destroy; ``Hessian.take``) nothing the size of ``H`` is allocated at all. A
+    float64 ``H`` then gets no second try with more dampening (that would need a copy): dampened,
+    it only fails to factor with NaN or inf in it, and the diagonal is used, as after the last try.
     """
     width = H.shape[0]
     order = torch.arange(width, device=H.device) if order is None else order.to(H.device)
     diagonal, dead = torch.diagonal(H).clone(), dead_columns(H)
-    start = H.float() if overwrite else H
-    work = H if overwrite else H.clone()
-    factored = _factor_(work, start, dead, order.flip(0), percdamp, name)
-    del start
-    if not factored:
+    # float32 statistics fail more often: they keep their retries
+    overwrite = overwrite and H.dtype == torch.float64 and H.is_contiguous()
+    work = H if overwrite else H.clone(memory_format=torch.contiguous_format)
+    if not _factor_(work, None if overwrite else H, dead, order.flip(0), percdamp, name, upper=True):
         # Last resort: keep only the diagonal. GPTQ then spreads no error: round-to-nearest for this layer.
         warnings.warn(f"{name}: Hessian could not be factorised; using its diagonal (no error feedback)", stacklevel=2)
         return torch.diag(diagonal[order].clamp(min=1e-8).rsqrt()).float()
-    _invert_upper_(work)  # Mᵀ → M⁻ᵀ
-    U = torch.empty(width, width, dtype=torch.float32, device=H.device)
-    for first in range(0, width, _BLOCK):  # U = J M⁻¹ J = (J M⁻ᵀ J)ᵀ, a band of rows at a time
-        last = min(first + _BLOCK, width)
-        U[first:last] = work[:, width - last : width - first].flip(0, 1).T
-    return U
+    _reverse_(work)  # Rᵀ → V
+    _invert_upper_(work)  # V → U
+    return _as_float32_(work)
+
+
+def _factor_(
+    work: torch.Tensor,
+    start: torch.Tensor | None,
+    dead: torch.Tensor,
+    order: torch.Tensor | None,
+    percdamp: float,
+    name: str,
+    upper: bool,
+) -> bool:
+    """``work`` (which holds ``start``) ← ``Cᵀ``, ``C`` torch's Cholesky factor (``upper`` or lower)
+    of ``start`` with rows and columns in ``order``, dead channels given a unit diagonal and
+    ``λ`` added to it. If that fails, ``work`` starts again from ``start`` with λ ten times larger
+    (warned, naming ``name``); without ``start`` there is no second try. False if it never succeeds."""
+    damp = percdamp
+    for attempt in range(6 if start is not None else 1):
+        if attempt:
+            work.copy_(start)
+        if order is not None:
+            _permute_symmetric_(work, order)
+        d = torch.diagonal(work)
+        d.masked_fill_(dead if order is None else dead[order], 1)
+        d += damp * d.mean()
+        # work is symmetric, so its transpose is the same matrix laid out as LAPACK wants it: the
+        # factor is written into it in place (work becomes Cᵀ, the other triangle zeroed)
+        columns, info = work.mT, torch.empty((), dtype=torch.int32, device=work.device)
+        torch.linalg.cholesky_ex(columns, upper=upper, out=(columns, info))
+        # a NaN or inf anywhere in the factor reaches its diagonal
+        if info == 0 and torch.isfinite(torch.diagonal(work)).all():
+            if attempt:
+                warnings.warn(f"{name}: Hessian not positive definite; dampening raised to {damp:g}", stacklevel=3)
+            return True
+        damp = damp * 10 if damp > 0 else 1e-3
+    return False
 
 
 _BLOCK = 512  # rows and columns per step of the in-place matrix operations
+_CHUNK = 1 << 20  # elements per step of the in-place element-wise ones
 
 
 def _permute_symmetric_(S: torch.Tensor, order: torch.Tensor) -> None:
-    """``S ← S[order][:, order]`` for a symmetric ``S``, in place: rows follow the permutation's
-    cycles, then the transpose (``(P S)ᵀ = S Pᵀ``) and the rows once more."""
-    if torch.equal(order, torch.arange(len(order), device=order.device)):
+    """``S ← S[order][:, order]`` for a symmetric ``S``, in place: the reversal reverses the storage;
+    any other order moves rows along the permutation's cycles, transposes (``(P S)ᵀ = S Pᵀ``)
+    and moves the rows once more."""
+    width = len(order)
+    if torch.equal(order, torch.arange(width, device=order.device)):
+        return
+    if torch.equal(order, torch.arange(width - 1, -1, -1, device=order.device)):
+        _reverse_(S)
         return
     _permute_rows_(S, order.tolist())
     _transpose_(S)
     _permute_rows_(S, order.tolist())
+
+
+def _reverse_(S: torch.Tensor) -> None:
+    """``S ← J S J`` (both orders reversed): the storage read backwards, swapped a chunk from each end at a time."""
+    flat, total, step = S.view(-1), S.numel(), _CHUNK
+    for a in range(0, total // 2, step):
+        b = min(a + step, total // 2)
+        head = flat[a:b].clone()
+        flat[a:b] = flat[total - b : total - a].flip(0)
+        flat[total - b : total - a] = head.flip(0)
+    # with an odd number of elements the middle one stays where it is
 
 
 def _permute_rows_(S: torch.Tensor, order: list[int]) -> None:
@@ -241,3 +262,16 @@ def _invert_upper_(T: torch.Tensor) -> None:
             above = T[:j, :j] @ T[:j, j:k]
             T[:j, j:k] = -torch.linalg.solve_triangular(D, above, upper=True, left=False)
         D.copy_(torch.linalg.solve_triangular(D, torch.eye(k - j, dtype=T.dtype, device=T.device), upper=True))
+
+
+def _as_float32_(S: torch.Tensor) -> torch.Tensor:
+    """``S`` in float32, written over the first half of its own float64 storage (front to back,
+    a chunk at a time: a chunk's float32 values only cover float64 values already read)."""
+    if S.dtype == torch.float32:
+        return S
+    wide = S.view(-1)
+    narrow = wide.view(torch.float32)  # twice as many elements over the same bytes
+    for a in range(0, wide.numel(), _CHUNK):
+        b = min(a + _CHUNK, wide.numel())
+        narrow[a:b] = wide[a:b].float()
+    return narrow[: wide.numel()].view(S.shape)

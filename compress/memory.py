@@ -3,10 +3,10 @@
 Compression holds one block at a time: its stored tensors and their float32 copy, the
 calibration activations entering and leaving it, and the largest group of Hessians.
 Evaluation holds one set of hidden states per model (the compressed one and the
-reference). The tensors outside the blocks (embeddings, head) stay in memory throughout,
-in float32 while they compute. Recovery passes and data-free calibration need the
-whole model. Each phase's sum is an estimate: bench_scale.py prints it beside the
-measured peak.
+reference). The tensors outside the blocks (embeddings, head) stay in memory throughout;
+in evaluation the reference has its own, and both heads are cast to float32 while they
+score. Recovery passes and data-free calibration need the whole model. Each phase's sum is
+an estimate: bench_scale.py prints it beside the measured peak.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from . import moe
+from .arch import arch_of
 
 GB = 1e9
 # Python, torch, transformers and a tokenizer: 0.38 GB after import and tokenizer load, plus headroom
@@ -32,7 +33,8 @@ class MemoryPlanError(RuntimeError):
 @dataclass
 class MemoryPlan:
     compress: dict[str, int] = field(default_factory=dict)  # bytes by what holds them
-    evaluate: dict[str, int] = field(default_factory=dict)
+    evaluate: dict[str, int] = field(default_factory=dict)  # the blocks, run over the windows
+    score: dict[str, int] = field(default_factory=dict)  # then the heads, over the hidden states
     allocate: dict[str, int] = field(default_factory=dict)  # measuring an ``allocate`` key's costs, before compressing
     learn: dict[str, int] = field(default_factory=dict)  # training learned rotations, before compressing
     shared: dict[str, int] = field(default_factory=dict)  # held in both phases
@@ -43,12 +45,12 @@ class MemoryPlan:
 
     @property
     def peak(self) -> int:
-        phases = (self.compress, self.evaluate, self.allocate, self.learn)
+        phases = (self.compress, self.evaluate, self.score, self.allocate, self.learn)
         one = RUNTIME + sum(self.shared.values()) + max(sum(phase.values()) for phase in phases)
         return self.processes * one
 
     def describe(self) -> str:
-        parts = {**self.shared, **self.compress, **self.evaluate, **self.allocate, **self.learn}
+        parts = {**self.shared, **self.compress, **self.evaluate, **self.score, **self.allocate, **self.learn}
         top = ", ".join(f"{k} {v / GB:.2f}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v)
         spilled = "".join(f"; {k} on disk ≈ {v / GB:.1f} GB" for k, v in self.disk.items())
         kept = f"; finished blocks kept for --resume ≤ {self.kept / GB:.1f} GB on disk" if self.kept else ""
@@ -96,7 +98,8 @@ def plan(
     dense = samples > 0 and any(p.needs_dense_inputs for p in passes)
     copies = 1 + (dense or any(p.needs_original for p in passes)) + dense
     plan = MemoryPlan(where="GPU memory" if device.type == "cuda" else "RAM")
-    plan.shared["tensors outside the blocks"] = n_outside * (stored + f32)
+    n_head = model.model.get_output_embeddings().weight.numel()
+    plan.shared["tensors outside the blocks"] = n_outside * stored
     if whole:
         plan.shared["the whole model (recovery or data-free calibration)"] = n_block * len(model) * stored
     plan.compress["one block"] = n_block * (stored + copies * f32)
@@ -106,15 +109,16 @@ def plan(
     sets = 3 + 2 * dense
     (plan.disk if spill else plan.compress)["calibration activations"] = sets * samples * cal_seqlen * hidden * f32
     if any(p.uses_hessian for p in passes):
-        widest = max(m.in_features for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear))
-        # H and its factors in float64 (hessian.statistics_dtype), the sweep's working copy; a
-        # mixture of experts observes one projection of every expert at once: E statistics
-        held = max((m.num_experts for m in moe.experts_of(model.layers[0]).values()), default=1)
-        plan.compress["Hessians"] = (held * 8 + 8 + f32 + 8 * dense) * widest * widest  # GPTAQ: its asymmetry
+        plan.compress["Hessians"] = _hessian_stage(model, dense)
     if windows:
+        # the reference has its own embeddings and head; each model's blocks run over the windows,
+        # then both heads, cast to float32 (in place of their stored values), score the hidden states
+        for phase in (plan.evaluate, plan.score):
+            phase["the reference's tensors outside the blocks"] = n_outside * stored
+            phase["evaluation hidden states"] = 2 * windows * eval_seqlen * hidden * f32  # model and reference
         plan.evaluate["one block"] = n_block * (stored + f32)
-        plan.evaluate["evaluation hidden states"] = 2 * windows * eval_seqlen * hidden * f32  # model and reference
-        plan.evaluate["logits"] = 4 * (1 << 26) * f32  # two models' log-probabilities and their softmax, a chunk
+        plan.score["both heads in float32"] = 2 * n_head * (f32 - stored)
+        plan.score["logits"] = 4 * (1 << 26) * f32  # two models' log-probabilities and their softmax, a chunk
     if allocation_samples:
         tokens = allocation_samples * cal_seqlen
         linears = [m for m in model.layers[0].modules() if isinstance(m, torch.nn.Linear)]
@@ -134,19 +138,51 @@ def plan(
     return plan
 
 
+def _hessian_stage(model, dense: bool) -> int:
+    """The largest group of linears reading one input, as a true-sequential sweep holds it: the
+    Hessian in float64 (hessian.statistics_dtype; its factor is computed in place in it), GPTAQ's
+    asymmetry, and the stacked rows' float32 working copy, masks and integers. A mixture of
+    experts observes one projection of every expert at once: E statistics."""
+    block = model.layers[0]
+    held = max((m.num_experts for m in moe.experts_of(block).values()), default=1)
+    linears = {name: m for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
+    stages = [[linears[n] for n in group if n in linears] for group in arch_of(model.model).groups]
+    return max(
+        (held * 8 + 8 * dense) * group[0].in_features ** 2
+        + sum(m.out_features * m.in_features for m in group) * (4 * (len(group) > 1) + 4 + 3)
+        for group in stages
+        if group
+    )
+
+
 def check(plan: MemoryPlan, device: torch.device) -> None:
     """Refuse a run whose plan exceeds what is free (COMPRESS_SKIP_MEMORY_CHECK=1 runs it anyway)."""
     free = available_bytes(device)
     if free is None or plan.peak <= free or os.environ.get("COMPRESS_SKIP_MEMORY_CHECK") == "1":
         return
-    biggest = max({**plan.compress, **plan.evaluate, **plan.allocate, **plan.learn}.items(), key=lambda kv: kv[1])
-    spill = ", or --spill DIR to keep them in files" if biggest[0] == "calibration activations" else ""
-    samples = "the recipe's allocate.samples" if biggest[0].startswith("allocation") else "--samples"
+    phases = {**plan.compress, **plan.evaluate, **plan.score, **plan.allocate, **plan.learn}
+    biggest = max(phases.items(), key=lambda kv: kv[1])
     raise MemoryPlanError(
         f"this run needs about {plan.peak / GB:.1f} GB of {plan.where}, {free / GB:.1f} GB is free; "
-        f"the largest part is {biggest[0]} ({biggest[1] / GB:.1f} GB): lower {samples} or the calibration "
-        f"seqlen{spill}, or --windows/--seqlen (set COMPRESS_SKIP_MEMORY_CHECK=1 to try anyway)"
+        f"the largest part is {biggest[0]} ({biggest[1] / GB:.1f} GB): {_advice(biggest[0])} "
+        "(set COMPRESS_SKIP_MEMORY_CHECK=1 to try anyway)"
     )
+
+
+def _advice(part: str) -> str:
+    """What shrinks the part of the plan that is largest."""
+    if part == "Hessians":
+        return (
+            "a Hessian is as wide as its linear's input, whatever the samples: a machine with more memory, "
+            "or a recipe whose passes need none (rtn, awq)"
+        )
+    if part.startswith("allocation"):
+        return "lower the recipe's allocate.samples or the calibration seqlen"
+    if part == "calibration activations":
+        return "lower --samples or the calibration seqlen, or --spill DIR to keep them in files"
+    if part.startswith("learned rotations"):
+        return "lower the calibration seqlen, or rotate with kind: hadamard"
+    return "lower --samples or the calibration seqlen, or --windows/--seqlen"
 
 
 def check_disk(plan: MemoryPlan, folder: str | Path) -> None:

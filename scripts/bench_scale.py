@@ -1,15 +1,20 @@
 """Peak memory and time of `compress apply` and `compress eval` as a model grows layer by layer.
 
 Writes one synthetic checkpoint with random bf16 weights of Llama-3-8B's shapes (hidden 4096,
-intermediate 14336, 32/8 heads, vocab 128256), one shard per layer, then for each layer count
-a folder whose index lists only the first N layers (the shards are shared by links), and runs
-rtn-w4 (and gptq-w4 with a few calibration samples on the smallest models) and `compress eval`
-on each. Peak RSS is the child process's own (wait4), not this script's. Rows print as measured.
+intermediate 14336, 32/8 heads, vocab 128256) or, with `--width 70b`, Llama-3-70B's (hidden
+8192, intermediate 28672, 64/8 heads), one shard per layer, then for each layer count a folder
+whose index lists only the first N layers (the shards are shared by links), and runs rtn-w4
+(and the calibrated recipes with a few samples on the smallest models) and `compress eval` on
+each. Peak RSS is the child process's own (wait4), not this script's, in GB of 10⁹ bytes as
+the memory plan beside it (tables before 2026-11-30 gave GiB); seconds per block are the
+export's compression time over its layers, projected to Llama-3-70B's 80. Rows print as measured.
 
     python scripts/bench_scale.py --layers 2 4 8 16 32 --gptq-layers 2 4 --root /big/disk/bench-scale
     python scripts/bench_scale.py --layers 56 --root /big/disk/bench-scale      # larger than RAM
     python scripts/bench_scale.py --layers 2 --gptq-layers 2 --data-recipe wanda-50 --samples 16 \
         --spill /big/disk/spill --root /big/disk/bench-scale                     # activations in files
+    python scripts/bench_scale.py --width 70b --layers 2 --gptq-layers 2 \
+        --data-recipes gptq-w4 awq-w4 sparsegpt-2of4 --root /big/disk/bench-scale
 
 Random weights measure memory and time, not quality: perplexities are meaningless here.
 """
@@ -32,16 +37,20 @@ from safetensors.torch import save_file
 
 from compress import machine
 
-SHAPES = dict(
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_attention_heads=32,
+LLAMA = dict(
     num_key_value_heads=8,
     vocab_size=128256,
     max_position_embeddings=8192,
     rope_theta=500000.0,
     tie_word_embeddings=False,
 )
+SHAPES = {  # --width: Llama-3's 8B and 70B
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, **LLAMA),
+    "70b": dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, **LLAMA),
+}
+
+
+PROJECTED = 80  # blocks of Llama-3-70B: the time per block projected to the whole model
 
 
 def cpu_header() -> str:
@@ -49,10 +58,10 @@ def cpu_header() -> str:
     return f"machine: {machine.describe()}; {os.cpu_count()} cores, {mem:.1f} GiB RAM"
 
 
-def _layer(i: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    h, m = SHAPES["hidden_size"], SHAPES["intermediate_size"]
-    kv = h // SHAPES["num_attention_heads"] * SHAPES["num_key_value_heads"]
-    shapes = {
+def _layer(i: int, g: torch.Generator, shapes: dict) -> dict[str, torch.Tensor]:
+    h, m = shapes["hidden_size"], shapes["intermediate_size"]
+    kv = h // shapes["num_attention_heads"] * shapes["num_key_value_heads"]
+    linears = {
         "self_attn.q_proj": (h, h),
         "self_attn.k_proj": (kv, h),
         "self_attn.v_proj": (kv, h),
@@ -61,20 +70,21 @@ def _layer(i: int, g: torch.Generator) -> dict[str, torch.Tensor]:
         "mlp.up_proj": (m, h),
         "mlp.down_proj": (h, m),
     }
-    out = {f"model.layers.{i}.{n}.weight": (torch.randn(s, generator=g) * 0.02).bfloat16() for n, s in shapes.items()}
+    out = {f"model.layers.{i}.{n}.weight": (torch.randn(s, generator=g) * 0.02).bfloat16() for n, s in linears.items()}
     for norm in ("input_layernorm", "post_attention_layernorm"):
         out[f"model.layers.{i}.{norm}.weight"] = torch.ones(h, dtype=torch.bfloat16)
     return out
 
 
-def write_shards(root: Path, layers: int) -> Path:
+def write_shards(root: Path, layers: int, width: str) -> Path:
     """One shard per layer plus one for the rest, written once and reused by every layer count."""
-    shards = root / "shards"
+    shapes = SHAPES[width]
+    shards = root / f"shards-{width}"
     shards.mkdir(parents=True, exist_ok=True)
     g = torch.Generator().manual_seed(0)
     rest = shards / "rest.safetensors"
     if not rest.exists():
-        v, h = SHAPES["vocab_size"], SHAPES["hidden_size"]
+        v, h = shapes["vocab_size"], shapes["hidden_size"]
         save_file(
             {
                 "model.embed_tokens.weight": (torch.randn(v, h, generator=g) * 0.02).bfloat16(),
@@ -88,21 +98,21 @@ def write_shards(root: Path, layers: int) -> Path:
         path = shards / f"layer-{i:03d}.safetensors"
         if not path.exists():
             tmp = path.with_suffix(".tmp")
-            save_file(_layer(i, g), tmp, metadata={"format": "pt"})
+            save_file(_layer(i, g, shapes), tmp, metadata={"format": "pt"})
             os.replace(tmp, path)
             print(f"  wrote {path.name}", file=sys.stderr, flush=True)
     return shards
 
 
-def model_folder(root: Path, shards: Path, layers: int, tokenizer_from: Path) -> Path:
+def model_folder(root: Path, shards: Path, layers: int, width: str, tokenizer_from: Path) -> Path:
     """A checkpoint folder of ``layers`` layers: config, tokenizer, index and links to the shards."""
     from transformers import LlamaConfig
 
-    folder = root / f"llama8b-width-{layers}L"
+    folder = root / f"llama{width}-width-{layers}L"
     if (folder / "config.json").exists():
         return folder
     folder.mkdir(parents=True)
-    LlamaConfig(num_hidden_layers=layers, **SHAPES).save_pretrained(folder)
+    LlamaConfig(num_hidden_layers=layers, **SHAPES[width]).save_pretrained(folder)
     weight_map = {}
     for name in ["rest.safetensors"] + [f"layer-{i:03d}.safetensors" for i in range(layers)]:
         (folder / name).symlink_to(shards / name)
@@ -126,7 +136,7 @@ def run(cmd: list[str]) -> tuple[float, float, str]:
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
-    return usage.ru_maxrss / 1024**2, time.perf_counter() - start, out
+    return usage.ru_maxrss * 1024 / 1e9, time.perf_counter() - start, out  # GB of 10⁹ bytes, as the plan
 
 
 def main() -> None:
@@ -137,7 +147,14 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=2)
     ap.add_argument("--seqlen", type=int, default=256)
     ap.add_argument("--samples", type=int, default=4, help="calibration samples of the data recipe")
-    ap.add_argument("--data-recipe", default="gptq-w4", help="the recipe with calibration run on --gptq-layers")
+    ap.add_argument("--width", choices=SHAPES, default="8b", help="Llama-3-8B's or Llama-3-70B's shapes")
+    ap.add_argument(
+        "--data-recipes",
+        "--data-recipe",
+        nargs="+",
+        default=["gptq-w4"],
+        help="calibrated recipes, on --gptq-layers",
+    )
     ap.add_argument(
         "--spill", type=Path, help="run the data recipe without evaluation, in RAM and with --spill in this folder"
     )
@@ -153,24 +170,25 @@ def main() -> None:
         "original); eval = `compress eval` of the export alone, same windows"
     )
     print(
-        "| layers | params (B) | checkpoint GB | recipe | apply peak RSS GB | plan GB | apply s | "
-        "eval peak RSS GB | eval s |"
+        "| layers | params (B) | checkpoint GB | recipe | apply peak RSS GB | plan GB | apply s | s per block | "
+        f"{PROJECTED} blocks h | eval peak RSS GB | eval s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
-    shards = write_shards(args.root, max(args.layers))
+    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    shards = write_shards(args.root, max(args.layers), args.width)
     tokenizer_from = models.resolve("smollm2-135m")
     compress_cli = [sys.executable, "-c", "import sys; from compress.cli import main; sys.exit(main())"]
     for layers in args.layers:
-        folder = model_folder(args.root, shards, layers, tokenizer_from)
+        folder = model_folder(args.root, shards, layers, args.width, tokenizer_from)
         files = set(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"].values())
         size = sum((folder / f).stat().st_size for f in files) / 1e9
         params = size / 2  # bf16
         rows = [("rtn-w4", [])]
-        if layers in args.gptq_layers and not args.spill:
-            rows.append((args.data_recipe, ["--samples", str(args.samples)]))
-        elif layers in args.gptq_layers:  # without evaluation, whose peak would hide the calibration's
-            calibrate = ["--samples", str(args.samples), "--no-eval"]
-            rows += [(args.data_recipe, calibrate), (args.data_recipe, calibrate + ["--spill", str(args.spill)])]
+        for recipe in args.data_recipes if layers in args.gptq_layers else []:
+            if not args.spill:
+                rows.append((recipe, ["--samples", str(args.samples)]))
+            else:  # without evaluation, whose peak would hide the calibration's
+                calibrate = ["--samples", str(args.samples), "--no-eval"]
+                rows += [(recipe, calibrate), (recipe, calibrate + ["--spill", str(args.spill)])]
         for recipe, extra in rows:
             out = args.root / f"out-{recipe}-{layers}L"
             cmd = compress_cli + [
@@ -191,6 +209,7 @@ def main() -> None:
             ]
             rss, wall, log = run(cmd)
             plan = re.search(r"peak RAM ≈ ([\d.]+) GB", log)
+            per_block = json.loads((out / "report.json").read_text())["compress_s"] / layers
             e_rss, e_wall, _ = run(
                 compress_cli
                 + ["eval", str(out), "--windows", str(args.windows), "--seqlen", str(args.seqlen), "--device", "cpu"]
@@ -201,7 +220,7 @@ def main() -> None:
             name = recipe + (f" ({', '.join(said)})" if extra else "")
             print(
                 f"| {layers} | {params:.2f} | {size:.1f} | {name} | {rss:.2f} | {plan.group(1) if plan else '?'} | "
-                f"{wall:.0f} | {e_rss:.2f} | {e_wall:.0f} |",
+                f"{wall:.0f} | {per_block:.0f} | {per_block * PROJECTED / 3600:.1f} | {e_rss:.2f} | {e_wall:.0f} |",
                 flush=True,
             )
             if not args.keep:

@@ -69,6 +69,18 @@ def test_inverse_cholesky_in_place_is_the_textbook_factor(width):
     assert torch.equal(inverse_cholesky(H.clone(), 0.01, "layer", order, overwrite=True), U)
 
 
+def test_a_hessian_that_does_not_factor_is_retried_on_a_copy_and_not_in_place():
+    torch.manual_seed(0)
+    A = torch.randn(40, 40, dtype=torch.float64)
+    H = A @ A.T
+    H[7, 7] = -H[7, 7]  # not positive definite until dampened well past the default
+    with pytest.warns(UserWarning, match="dampening raised to"):
+        assert torch.isfinite(inverse_cholesky(H, 0.01, "layer")).all()
+    with pytest.warns(UserWarning, match="using its diagonal"):  # no copy to start again from
+        U = inverse_cholesky(H.clone(), 0.01, "layer", overwrite=True)
+    assert torch.equal(U, torch.diag(U.diagonal()))
+
+
 @pytest.mark.parametrize("actorder", [False, True])
 def test_stacked_linears_quantize_as_if_alone(actorder):
     """GPTQ sweeps q/k/v (and gate/up) as one stacked matrix: rows never interact, so the
