@@ -52,43 +52,43 @@ class Hessian:
 
     def __init__(self, linear: torch.nn.Linear):
         device = linear.weight.device
-        self.lower = torch.zeros(linear.in_features, linear.in_features, device=device, dtype=statistics_dtype(device))
+        self.sums = torch.zeros(linear.in_features, linear.in_features, device=device, dtype=statistics_dtype(device))
         self.n = 0
         self._full = False
 
     def add(self, x: torch.Tensor) -> None:
         if self._full:
             raise RuntimeError("inputs added to a Hessian after it was read")
-        x = x.reshape(-1, x.shape[-1]).to(self.lower.dtype)
+        x = x.reshape(-1, x.shape[-1]).to(self.sums.dtype)
         self.n += x.shape[0]
         width = x.shape[1]
         for start in range(0, width, self.PANEL):
             end = min(start + self.PANEL, width)
-            self.lower[start:end, :end].addmm_(x[:, start:end].T, x[:, :end])
+            self.sums[start:end, :end].addmm_(x[:, start:end].T, x[:, :end])
 
     def reduce(self) -> None:
         """The sums over every rank's samples (several processes)."""
-        distributed.sum_(self.lower)
+        distributed.sum_(self.sums)
         self.n = int(distributed.total(self.n)[0])
 
     @property
     def H(self) -> torch.Tensor:
         """The full matrix, made from the sums in place the first time it is read (a second copy of
         a 28672-wide float64 Hessian would be 6.6 GB); no inputs can be added after that."""
-        if self.lower is None:
+        if self.sums is None:
             raise RuntimeError("this Hessian was handed to a factorisation (take) and no longer exists")
         if not self._full:
-            width = self.lower.shape[0]
+            width = self.sums.shape[0]
             for start in range(0, width, self.PANEL):  # add() filled each panel's diagonal block whole
                 end = min(start + self.PANEL, width)
-                self.lower[start:end, end:] = self.lower[end:, start:end].T
-            self.lower *= 2 / max(self.n, 1)
+                self.sums[start:end, end:] = self.sums[end:, start:end].T
+            self.sums *= 2 / max(self.n, 1)
             self._full = True
-        return self.lower
+        return self.sums
 
     def take(self) -> torch.Tensor:
         """``H``, for its last reader to factorise in place (``inverse_cholesky(..., overwrite=True)``)."""
-        H, self.lower = self.H, None
+        H, self.sums = self.H, None
         return H
 
 
@@ -102,7 +102,7 @@ class AsymmetricHessian(Hessian):
     def __init__(self, linear: torch.nn.Linear, dense: Iterator[torch.Tensor]):
         super().__init__(linear)
         self.dense = dense
-        self.cross = torch.zeros_like(self.lower)
+        self.cross = torch.zeros_like(self.sums)
 
     def add(self, x: torch.Tensor) -> None:
         super().add(x)

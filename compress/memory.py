@@ -148,10 +148,13 @@ def _hessian_stage(model, dense: bool) -> int:
     linears = {name: m for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
     stages = [[linears[n] for n in group if n in linears] for group in arch_of(model.model).groups]
     return max(
-        (held * 8 + 8 * dense) * group[0].in_features ** 2
-        + sum(m.out_features * m.in_features for m in group) * (4 * (len(group) > 1) + 4 + 3)
-        for group in stages
-        if group
+        (
+            (held * 8 + 8 * dense) * group[0].in_features ** 2
+            + sum(m.out_features * m.in_features for m in group) * (4 * (len(group) > 1) + 4 + 3)
+            for group in stages
+            if group
+        ),
+        default=0,
     )
 
 
