@@ -111,10 +111,8 @@ def _sweep(
         if static:  # every group's scale from the weights before any update
             scale, zero = compute_qparams(W.masked_fill(mask, 0), scheme, dtype, global_scale)
         else:  # each group's scale from its weights as updated so far (the paper's default)
-            scale = torch.empty(rows, cols // gs, device=W.device)
-            zero = torch.empty_like(scale)
+            scale, zero = torch.empty(rows, cols // gs, device=W.device), torch.empty(rows, cols // gs, device=W.device)
         Q = torch.empty(rows, cols, dtype=scheme.q_dtype, device=W.device)
-
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else torch.arange(cols, device=W.device)
     if actorder:  # copies of the weight: only when the order changes
         W, mask = W[:, perm], mask[:, perm]
@@ -159,16 +157,13 @@ def _sweep(
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]
         if P is not None:
             W[:, i2:] += Before1 @ P[i1:i2, i2:]
-
-    if actorder:
+    if actorder:  # back to the original column order
         inverse = torch.argsort(perm)
-        W, mask = W[:, inverse], mask[:, inverse]
-        Q = None if scheme is None else Q[:, inverse]
-    quantized = None
-    if scheme is not None:
-        scale = scale.to(scheme.scale_dtype(dtype))
-        quantized = QuantizedWeight(scheme, Q, scale, zero.to(scheme.zero_dtype), global_scale)
-    return SweepResult(W, mask, quantized)
+        W, mask, Q = W[:, inverse], mask[:, inverse], (None if scheme is None else Q[:, inverse])
+    if scheme is None:
+        return SweepResult(W, mask, None)
+    scale, zero = scale.to(scheme.scale_dtype(dtype)), zero.to(scheme.zero_dtype)
+    return SweepResult(W, mask, QuantizedWeight(scheme, Q, scale, zero, global_scale))
 
 
 def hessian_stages(data, groups: list[tuple[str, ...]], true_sequential: bool, make_stat=Hessian):
