@@ -109,7 +109,8 @@ def plan(
     sets = 3 + 2 * dense
     (plan.disk if spill else plan.compress)["calibration activations"] = sets * samples * cal_seqlen * hidden * f32
     if any(p.uses_hessian for p in passes):
-        plan.compress["Hessians"] = _hessian_stage(model, dense)
+        at_once = any(p.holds_block_statistics for p in passes if p.uses_hessian)
+        plan.compress["Hessians"] = _hessian_stage(model, dense, at_once)
     if windows:
         # the reference has its own embeddings and head; each model's blocks run over the windows,
         # then both heads, cast to float32 (in place of their stored values), score the hidden states
@@ -138,24 +139,30 @@ def plan(
     return plan
 
 
-def _hessian_stage(model, dense: bool) -> int:
-    """The largest group of linears reading one input, as a true-sequential sweep holds it: the
-    Hessian in float64 (hessian.statistics_dtype; its factor is computed in place in it), GPTAQ's
-    asymmetry, and the stacked rows' float32 working copy, masks and integers. A mixture of
-    experts observes one projection of every expert at once: E statistics."""
+def _hessian_stage(model, dense: bool, at_once: bool) -> int:
+    """The Hessians of one block as the sweeps hold them, and the working copy of the largest
+    group of linears reading one input: each Hessian in float64 (hessian.statistics_dtype; its
+    factor is computed in place in it), GPTAQ's asymmetry, and the stacked rows' float32 working
+    copy, masks and integers. A true-sequential sweep holds one group's Hessian at a time,
+    ``at_once`` (one forward observing the whole block) all of them. A mixture of experts
+    observes one projection of every expert at once: E statistics."""
     block = model.layers[0]
     held = max((m.num_experts for m in moe.experts_of(block).values()), default=1)
     linears = {name: m for name, m in block.named_modules() if isinstance(m, torch.nn.Linear)}
     stages = [[linears[n] for n in group if n in linears] for group in arch_of(model.model).groups]
-    return max(
+    sizes = [
         (
-            (held * 8 + 8 * dense) * group[0].in_features ** 2
-            + sum(m.out_features * m.in_features for m in group) * (4 * (len(group) > 1) + 4 + 3)
-            for group in stages
-            if group
-        ),
-        default=0,
-    )
+            (held * 8 + 8 * dense) * group[0].in_features ** 2,
+            sum(m.out_features * m.in_features for m in group) * (4 * (len(group) > 1) + 4 + 3),
+        )
+        for group in stages
+        if group
+    ]
+    if not sizes:
+        return 0
+    if at_once:
+        return sum(h for h, _ in sizes) + max(work for _, work in sizes)
+    return max(h + work for h, work in sizes)
 
 
 def check(plan: MemoryPlan, device: torch.device) -> None:

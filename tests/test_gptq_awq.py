@@ -81,6 +81,27 @@ def test_a_hessian_that_does_not_factor_is_retried_on_a_copy_and_not_in_place():
     assert torch.equal(U, torch.diag(U.diagonal()))
 
 
+@pytest.mark.parametrize("true_sequential", [True, False])
+def test_the_memory_plan_holds_one_group_of_hessians_or_the_whole_block(true_sequential):
+    from compress import memory
+    from compress.lazy import streamed
+    from compress.recipe import parse
+
+    model = streamed(tiny("llama", layers=2))
+    cfg = model.config
+    h, m = cfg.hidden_size, cfg.intermediate_size
+    kv = h // cfg.num_attention_heads * cfg.num_key_value_heads
+    recipe = parse(f"passes:\n  - gptq: {{bits: 4, true_sequential: {str(true_sequential).lower()}}}\n")
+    held = memory.plan(model, recipe.passes, torch.device("cpu"), 4, 64, 0, 0, False).compress["Hessians"]
+    # q/k/v, o, gate/up, down: each group's float64 Hessian, and the stacked rows' working copy
+    hessians = [8 * h * h, 8 * h * h, 8 * h * h, 8 * m * m]
+    work = [(h + 2 * kv) * h * 11, h * h * 7, 2 * m * h * 11, h * m * 7]
+    if true_sequential:
+        assert held == max(a + b for a, b in zip(hessians, work))
+    else:
+        assert held == sum(hessians) + max(work)
+
+
 @pytest.mark.parametrize("actorder", [False, True])
 def test_stacked_linears_quantize_as_if_alone(actorder):
     """GPTQ sweeps q/k/v (and gate/up) as one stacked matrix: rows never interact, so the

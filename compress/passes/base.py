@@ -46,6 +46,9 @@ class LayerPass:
     uses_hessian: ClassVar[bool] = False  # collects XᵀX per linear: the memory plan counts it
     needs_original: bool = False  # the pipeline keeps each block as it was before the passes
     needs_dense_inputs: bool = False  # the pipeline carries the dense model's inputs to each block too
+    # observes every linear of a block in one forward, so holds all their statistics at once (the
+    # memory plan adds them up); a true-sequential sweep holds one group's at a time
+    holds_block_statistics: bool = False
     whole_model: bool = False  # reads every block at once (training), so the run holds the whole model
     # the kinds of state (``state.KINDS`` attributes) this pass may attach: a format that cannot
     # store one of them refuses the pass when the recipe is read

@@ -42,6 +42,10 @@ class GPTQ(WeightQuantPass):
     Options = GPTQOptions
     uses_hessian = True
 
+    @property
+    def holds_block_statistics(self) -> bool:
+        return not self.options.true_sequential
+
     def check(self, model) -> None:
         super().check(model)
         gs = self.scheme.group_size

@@ -33,6 +33,7 @@ class LoRC(LinearPass):
     leaves = frozenset({"lora"})
     Options = LoRCOptions
     uses_hessian = True
+    holds_block_statistics = True
     needs_original = True
 
     def __init__(self, options, where):

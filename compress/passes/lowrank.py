@@ -50,6 +50,7 @@ class LowRank(LinearPass):
     leaves = frozenset({"factored"})
     Options = LowRankOptions
     uses_hessian = True
+    holds_block_statistics = True
 
     def __init__(self, options, where):
         super().__init__(options, where)

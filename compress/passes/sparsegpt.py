@@ -33,6 +33,10 @@ class SparseGPT(PrunePass):
     scheme = None
 
     @property
+    def holds_block_statistics(self) -> bool:
+        return not self.options.true_sequential
+
+    @property
     def weight_bits(self) -> int | None:
         return self.options.quantize.bits if self.options.quantize is not None else None
 
