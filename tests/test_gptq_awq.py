@@ -4,7 +4,7 @@ import torch
 from compress.arch import arch_of, decoder_layers, fold
 from compress.column_sweep import obs_sweep
 from compress.hessian import AsymmetricHessian, Hessian, inverse_cholesky
-from compress.passes.awq import search_scale
+from compress.passes.awq import search_clip, search_scale
 from compress.passes.base import RecipeError
 from compress.quant import QuantScheme, dequantize, quantize_weight, quantized_of
 from tests.conftest import compress_with, export_and_reload, tiny
@@ -100,6 +100,15 @@ def test_the_memory_plan_holds_one_group_of_hessians_or_the_whole_block(true_seq
         assert held == max(a + b for a, b in zip(hessians, work))
     else:
         assert held == sum(hessians) + max(work)
+
+
+def test_the_clip_search_in_bands_of_rows_equals_the_search_at_once():
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 128), torch.randn(300, 128)
+    scheme = QuantScheme(4, 32, True)
+    whole = search_clip(w, x, scheme, 20, 0.5, chunk=1 << 30)
+    assert torch.equal(search_clip(w, x, scheme, 20, 0.5, chunk=5 * 300 * 4), whole)  # bands of 5 rows, and 3
+    assert (whole.abs() < w.abs()).any()  # some groups clipped
 
 
 @pytest.mark.parametrize("actorder", [False, True])

@@ -117,27 +117,45 @@ def search_scale(
 
 @torch.no_grad()
 def search_clip(
-    w: torch.Tensor, x: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float, tokens: int = 512
+    w: torch.Tensor,
+    x: torch.Tensor,
+    scheme: QuantScheme,
+    grid: int,
+    max_shrink: float,
+    tokens: int = 512,
+    chunk: int = 1 << 24,
 ) -> torch.Tensor:
-    """Per (row, group) clipping of the weight range that minimises that group's output error."""
+    """Per (row, group) clipping of the weight range that minimises that group's output error.
+
+    Each try holds a (tokens, rows, groups) output: 7.5 GB for a 70B-wide ``gate_proj`` at once, so
+    rows, which never interact, are searched a band at a time of about ``chunk`` such floats."""
     rows, cols = w.shape
     gs = cols if scheme.group_size == -1 else scheme.group_size
-    W = w.float().reshape(rows, cols // gs, gs)
     pick = torch.linspace(0, x.shape[0] - 1, min(tokens, x.shape[0])).long()
-    xs = x[pick.to(x.device)].to(W.device, torch.float32).reshape(-1, cols // gs, gs)
+    xs = x[pick.to(x.device)].to(w.device, torch.float32).reshape(-1, cols // gs, gs)
+    band = max(1, chunk // (xs.shape[0] * (cols // gs)))
+    group_scheme = replace(scheme, group_size=gs)
+    return torch.cat(
+        [_clip_rows(w[r : r + band].float(), xs, group_scheme, grid, max_shrink) for r in range(0, rows, band)]
+    )
+
+
+def _clip_rows(w: torch.Tensor, xs: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float) -> torch.Tensor:
+    rows, cols = w.shape
+    gs = scheme.group_size
+    W = w.reshape(rows, cols // gs, gs)
     reference = torch.einsum("ngk,rgk->nrg", xs, W)
     wmax, wmin = W.amax(-1, keepdim=True), W.amin(-1, keepdim=True)
     if scheme.symmetric:
         wmax = torch.maximum(wmax, -wmin)
         wmin = -wmax
-    group_scheme = replace(scheme, group_size=gs)
     best_err = torch.full((rows, cols // gs), float("inf"), device=W.device)
     best_ratio = torch.ones(rows, cols // gs, device=W.device)
     for i in range(int(max_shrink * grid)):
         ratio = 1 - i / grid
         clipped = W.clamp(wmin * ratio, wmax * ratio).reshape(rows, cols)
-        scale, zero = compute_qparams(clipped, group_scheme, torch.float32)
-        deq = dequantize(quantize(clipped, scale, zero, group_scheme), scale, zero, torch.float32, group_scheme)
+        scale, zero = compute_qparams(clipped, scheme, torch.float32)
+        deq = dequantize(quantize(clipped, scale, zero, scheme), scale, zero, torch.float32, scheme)
         err = (torch.einsum("ngk,rgk->nrg", xs, deq.reshape(rows, cols // gs, gs)) - reference).pow(2).mean(0)
         better = err < best_err
         best_err[better], best_ratio[better] = err[better], ratio
