@@ -111,7 +111,8 @@ def _sweep(
         if static:  # every group's scale from the weights before any update
             scale, zero = compute_qparams(W.masked_fill(mask, 0), scheme, dtype, global_scale)
         else:  # each group's scale from its weights as updated so far (the paper's default)
-            scale, zero = torch.empty(rows, cols // gs, device=W.device), torch.empty(rows, cols // gs, device=W.device)
+            scale = torch.empty(rows, cols // gs, device=W.device)
+            zero = torch.empty_like(scale)
         Q = torch.empty(rows, cols, dtype=scheme.q_dtype, device=W.device)
     perm = torch.argsort(torch.diag(H), descending=True) if actorder else torch.arange(cols, device=W.device)
     if actorder:  # copies of the weight: only when the order changes

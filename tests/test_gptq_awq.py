@@ -1,12 +1,15 @@
 import pytest
 import torch
 
+from compress import memory
 from compress.arch import arch_of, decoder_layers, fold
 from compress.column_sweep import obs_sweep
 from compress.hessian import AsymmetricHessian, Hessian, inverse_cholesky
+from compress.lazy import streamed
 from compress.passes.awq import search_clip, search_scale
 from compress.passes.base import RecipeError
 from compress.quant import QuantScheme, dequantize, quantize_weight, quantized_of
+from compress.recipe import parse
 from tests.conftest import compress_with, export_and_reload, tiny
 
 
@@ -83,10 +86,6 @@ def test_a_hessian_that_does_not_factor_is_retried_on_a_copy_and_not_in_place():
 
 @pytest.mark.parametrize("true_sequential", [True, False])
 def test_the_memory_plan_holds_one_group_of_hessians_or_the_whole_block(true_sequential):
-    from compress import memory
-    from compress.lazy import streamed
-    from compress.recipe import parse
-
     model = streamed(tiny("llama", layers=2))
     cfg = model.config
     h, m = cfg.hidden_size, cfg.intermediate_size

@@ -141,6 +141,7 @@ def search_clip(
 
 
 def _clip_rows(w: torch.Tensor, xs: torch.Tensor, scheme: QuantScheme, grid: int, max_shrink: float) -> torch.Tensor:
+    """``search_clip`` on a band of float32 rows, ``scheme`` with its group size resolved."""
     rows, cols = w.shape
     gs = scheme.group_size
     W = w.reshape(rows, cols // gs, gs)
