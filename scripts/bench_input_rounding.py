@@ -3,12 +3,12 @@
     python scripts/bench_input_rounding.py [--model smollm2-135m] [--windows 40] [--formats fp8 int8 ...]
 
 Every W?A? recipe pays for its weights and for its activations; this measures the second part
-alone, the floor no weight rounding can go below. Each linear but the head sees its input as the
-serving kernel rounds it (``compress.quant.fake_quantize_activation``: FP8 E4M3 or integers with
-a dynamic scale per token, MXFP4 per group of 32), the weights stay as loaded, and the windows
-are those of ``compress eval`` (wikitext-2 test). NVFP4 inputs need a calibrated global scale and
-are not among the formats. The formats share each window's dense log-probabilities, so the table
-comes at the end; every window prints the perplexities so far.
+alone: what a recipe with those inputs costs before any weight is rounded. Each linear but the
+head sees its input as the serving kernel rounds it (``compress.quant.fake_quantize_activation``:
+FP8 E4M3 or integers with a dynamic scale per token, MXFP4 per group of 32), the weights stay as
+loaded, and the windows are those of ``compress eval`` (wikitext-2 test). NVFP4 inputs need a
+calibrated global scale and are not among the formats. The formats share each window's dense
+log-probabilities, so the table comes at the end; every window prints the perplexities so far.
 """
 
 from __future__ import annotations
