@@ -246,16 +246,18 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         "--kernel",
         choices=[
             *("auto", "dense", "fp32", "fp32-onednn", "bf16", "bf16-avx2", "int8"),
-            *("int4", "int4-avx2", "int4-a16", "int4-a8", "int8g-avx2"),
+            *("int4", "int4-avx2", "int4-a16", "int4-a8", "int8g-avx2", "fp8"),
         ],
         default="auto",
         help="auto: each linear group runs on the fastest format measured here among those that hold "
         "its weights exactly (fp32, bf16, int8 for per-channel W8, int4 for W4 exports, our own "
         "bf16-avx2, int4-avx2, int4-a16 and int8g-avx2 (integers of up to 8 bits in groups: GGUF's "
-        "block types) kernels on AVX2 CPUs; W8A8 exports on torch._int_mm); dense: fp32 "
+        "block types) kernels on AVX2 CPUs; W8A8 exports on torch._int_mm; FP8 exports on "
+        "torch._scaled_mm on a GPU); dense: fp32 "
         "matmuls; a format: used wherever it is exact; int4-a8: W4 weights on our kernel with each "
         "step's activations rounded to int8 per 64 (lossy, never chosen by auto; faster where "
-        "int4 products are compute-bound)",
+        "int4 products are compute-bound); fp8: FP8 weights and inputs on torch._scaled_mm, each "
+        "input rounded as vLLM rounds it (also on a CPU, where torch's FP8 product is slow)",
     )
     p.add_argument(
         "--lm-head",

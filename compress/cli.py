@@ -221,6 +221,7 @@ def _eval_tasks(args, dtype, device, reference) -> None:
 def _decode(args) -> None:
     from . import decode, kv_quant, models
     from .data import tokenizer_fingerprint
+    from .decode import choice
     from .decode.datastore import Datastore
     from .decode.engine import Engine
     from .decode.methods import METHODS, Settings
@@ -232,9 +233,10 @@ def _decode(args) -> None:
     model, tokenizer = models.for_compute(loaded.model, device), loaded.tokenizer
     prompt = _prompt_ids(args, tokenizer).to(device)
     if Path(args.model).is_dir():
-        attach_export_integers(model, args.model)  # for the integer kernels
-        if parts := unsimulated_by_decoder(args.model):
-            why = "no kernel here rounds them yet; `compress eval` scores them as served"
+        attach_export_integers(model, args.model)  # for the integer and FP8 kernels
+        fp8_kernel = args.kernel == "fp8" or (args.kernel == "auto" and choice.fp8_tensor_cores(device))
+        if parts := unsimulated_by_decoder(args.model, fp8_kernel):
+            why = "this engine does not round them; `compress eval` scores them as served"
             print(f"[decode: {', '.join(parts)}: {why}]", file=sys.stderr)
     _refuse_what_does_not_fit(args, model, prompt)
     eos = model.generation_config.eos_token_id
@@ -295,8 +297,9 @@ def _decode(args) -> None:
 
 
 def _refuse_what_does_not_fit(args, model, prompt) -> None:
-    """Before any compute: a generation past the model's context, a 4-bit kernel with no 4-bit weights."""
+    """Before any compute: a generation past the model's context, a 4-bit or FP8 kernel with no such weights."""
     from . import decode
+    from .decode import kernels
     from .quant import quantized_of
 
     context = getattr(model.config, "max_position_embeddings", None)
@@ -313,6 +316,11 @@ def _refuse_what_does_not_fit(args, model, prompt) -> None:
             f"--kernel {args.kernel} runs 4-bit weights, and {args.model} has none (a W4 export of ours has); "
             "drop --kernel, or use --draft self-w4 or --lm-head int4 to round some in memory"
         )
+    if args.kernel == "fp8" and not any(kernels.fp8_operands(m) for m in model.modules()):
+        raise decode.DecodeError(
+            f"--kernel fp8 runs FP8 weights with FP8 inputs, and {args.model} has none (an export of "
+            "the fp8-dynamic or fp8 recipe has); drop --kernel"
+        )
 
 
 def _decode_device(args):
@@ -327,6 +335,11 @@ def _decode_device(args):
         raise decode.DecodeError(
             f"--kernel int4: this torch build has no int4 kernel for {device.type} "
             "(on a GPU it needs compute capability 8.0 or newer); use --kernel auto"
+        )
+    if args.kernel == "fp8" and device.type != "cpu" and not choice.fp8_tensor_cores(device):
+        raise decode.DecodeError(
+            "--kernel fp8: this GPU has no FP8 tensor cores with row-wise scales (compute capability "
+            "9.0 or newer: Hopper, Blackwell); use --kernel auto, or --device cpu"
         )
     if args.kernel in native.FORMATS and (device.type != "cpu" or not native.available()):
         raise decode.DecodeError(

@@ -2,7 +2,8 @@
 soon as it is measured.
 
     python scripts/bench_decode.py [--model smollm2-135m] [--prompts 8] [--new-tokens 128]
-        [--w4 DIR] [--w4-kernel auto|int4|dense] [--w8a8 DIR] [--kivi DIR] [--only WORD ...] [--skip WORD ...]
+        [--w4 DIR] [--w4-kernel auto|int4|dense] [--w8a8 DIR] [--fp8 DIR] [--kivi DIR] [--only WORD ...]
+        [--skip WORD ...]
 
 Two prompt sets of 8 through the chat template, greedy, batch 1: "grounded" (a ~300-token
 wikitext-2 test passage and a request to repeat or summarise it: the output reuses the input)
@@ -12,7 +13,9 @@ engine eager and compiled (kernels chosen by timing), W4 (an export given with `
 the model rounded to W4 in memory: the same kernel and bytes; with the exact lm_head, with
 ``--lm-head argmax`` on a CPU with our kernels, compared token for token with the exact head's
 row, and with a lossy int4 lm_head), W4A8 on a CPU with our kernels
-(the same W4 weights, each step's rows rounded to int8: ``--kernel int4-a8``), W8A8 (``--w8a8``), prompt lookup,
+(the same W4 weights, each step's rows rounded to int8: ``--kernel int4-a8``), W8A8 (``--w8a8``), FP8
+weights and inputs on ``torch._scaled_mm`` (``--fp8``: Hopper's FP8 tensor cores; on a CPU torch's
+slow reference loop, there to check it runs, not for speed), prompt lookup,
 a W4 copy of the model drafting for it (alone and behind prompt lookup; both speculative
 methods also on the compiled target, whose verify steps round as its one-token steps), lookahead, early exit
 (lossy), a KIVI cache (``--kivi``: an export of ``kv-int4``; the engine reproduces KIVI's
@@ -135,6 +138,7 @@ def main() -> None:
     parser.add_argument("--w4", help="a W4 export (e.g. of rtn-w4 or awq-w4); default: the model rounded in memory")
     parser.add_argument("--w4-kernel", default="auto", help="the W4 rows' --kernel (auto: the fastest measured)")
     parser.add_argument("--w8a8", help="a W8A8 export (of smoothquant-w8a8)")
+    parser.add_argument("--fp8", help="an FP8 export (of fp8-dynamic or fp8), run on torch._scaled_mm")
     parser.add_argument("--kivi", help="an export with a KIVI cache (of kv-int4)")
     parser.add_argument("--exit-layer", type=int, default=8)
     parser.add_argument(
@@ -253,6 +257,10 @@ def main() -> None:
     if args.w8a8:
         w8a8 = models.for_compute(models.load(args.w8a8, torch.bfloat16).model, device)
         rows[f"ours W8A8 greedy ({Path(args.w8a8).name}), {plain}"] = engine_row(w8a8)
+    if args.fp8:  # FP8 weights and inputs on torch._scaled_mm (on a CPU, torch's slow reference loop)
+        fp8 = models.for_compute(models.load(args.fp8, torch.bfloat16).model, device)
+        attach_integers(fp8, args.fp8)
+        rows[f"ours FP8 greedy ({Path(args.fp8).name}, _scaled_mm), {plain}"] = engine_row(fp8, kernel="fp8")
     lookup, w4_draft, both = dict(k=10), dict(w4_draft=True, k=6), dict(w4_draft=True, k=8)
     rows[f"ours prompt lookup, {plain}"] = engine_row(base, "prompt-lookup", **lookup)
     rows[f"ours W4 self-draft, {plain}"] = engine_row(base, "draft", **w4_draft)

@@ -366,6 +366,7 @@ CASES = {
         "chat template",
     ),
     "decode --kernel int4 on a model without 4-bit weights": (lambda t, m: _decode(m, "--kernel", "int4"), "4-bit"),
+    "decode --kernel fp8 on a model without FP8 weights": (lambda t, m: _decode(m, "--kernel", "fp8"), "FP8 weights"),
     "decode --datastore is a folder": (
         lambda t, m: _decode(m, "--method", "prompt-lookup", "--datastore", str(t)),
         "--datastore",

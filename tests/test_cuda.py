@@ -134,6 +134,25 @@ def test_w8a8_on_cuda_runs_int_mm_padded_and_matches_the_fake_quantized_model():
     assert greedy(graphed, ids, 16).tokens == greedy(eager, ids, 16).tokens  # padded rows change no row
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not choice.fp8_tensor_cores(CUDA), reason="needs FP8 tensor cores (Hopper+)"
+)
+def test_fp8_on_cuda_runs_scaled_mm_and_matches_the_fake_quantized_model():
+    from compress.decode.engine import Engine
+    from tests.conftest import compress_with
+
+    model = tiny("llama")
+    compress_with(model, "  - rtn: {format: fp8}\n  - activations: {format: fp8}\n")
+    model.to(CUDA)
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0)).to(CUDA)
+    with torch.no_grad():
+        fake = model(ids).logits[0]
+    graphed, eager = Engine(model), Engine(model, graphs=False)
+    assert set(graphed.formats.values()) == {"fp8", "dense"}  # auto takes it on a GPU; the lm_head is not FP8
+    torch.testing.assert_close(eager.forward(ids), fake, atol=5e-3, rtol=0)
+    assert greedy(graphed, ids, 16).tokens == greedy(eager, ids, 16).tokens
+
+
 def test_smoothquant_sweep_on_cuda_keeps_block_checkpoints_and_resumes(tmp_path):
     from compress.resume import BlockCheckpoints
 

@@ -8,7 +8,7 @@ from compress import machine, models
 from compress.decode import DecodeError, choice, greedy, kernels, native, onednn
 from compress.decode.engine import Engine
 from compress.export import export
-from compress.formats.compressed_tensors import attach_integers
+from compress.formats.compressed_tensors import attach_integers, unsimulated_by_decoder
 from compress.quant import QuantScheme, attach, dequantize, quantize_weight, quantized_of
 from tests.conftest import _NoTokenizer, compress_with, tiny
 
@@ -345,3 +345,31 @@ def test_grouped_int8_product_computes_the_dequantized_weights(scheme):
     engine = Engine(model, kernel="int8g-avx2")
     assert {engine.formats[g] for g in ("qkv", "o", "gate_up", "down")} == {"int8g-avx2"}
     assert greedy(engine, ids, 8).tokens == greedy(Engine(model, kernel="fp32"), ids, 8).tokens
+
+
+@pytest.mark.parametrize("inputs", ["{format: fp8}", "{format: fp8, strategy: tensor, static: true}"])
+def test_fp8_format_on_scaled_mm_computes_what_the_evaluation_scored_in_process_and_from_the_export(inputs, tmp_path):
+    """FP8_DYNAMIC (per-token inputs) and FP8 (one calibrated scale): ``_scaled_mm`` on the E4M3
+    values gives the fake-quantized model's logits; ``auto`` leaves it alone on a CPU (slow there)."""
+    model = tiny("llama")
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    calibration = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
+    recipe = compress_with(model, f"  - rtn: {{format: fp8}}\n  - activations: {inputs}\n", calibration)
+    with torch.no_grad():
+        fake = model(ids).logits[0]
+    out = export(model, _NoTokenizer(), tmp_path / "x", recipe.text, {})
+    reloaded = models.for_compute(models.load_model(out, torch.float32), CPU)
+    assert attach_integers(reloaded, out) == 14  # 2 blocks × 7 linears, as E4M3 values and scales
+    assert quantized_of(reloaded.model.layers[0].mlp.down_proj).q.dtype == torch.float8_e4m3fn
+    assert unsimulated_by_decoder(out, fp8_kernel=True) == []  # what decode tells the user
+    assert unsimulated_by_decoder(out) == ["float-quantized weights run dequantized", "FP8 inputs run unrounded"]
+    tokens = []
+    for source in (model, reloaded):
+        engine = Engine(source, kernel="fp8")
+        assert set(engine.formats.values()) == {"fp8", "fp32"}  # the lm_head is not FP8
+        # float32 sums in another order: an input on a rounding boundary of E4M3 can land on its neighbour
+        torch.testing.assert_close(engine.forward(ids), fake, atol=2e-3, rtol=0)  # unrounded inputs: 1.7e-2
+        assert "fp8" not in Engine(source).formats.values()
+        tokens.append(greedy(engine, ids, 12).tokens)
+    assert tokens[0] == tokens[1]
+    assert not choice.fp8_kernel_fits([tiny("llama").model.layers[0].mlp.down_proj], CPU)  # dense weights

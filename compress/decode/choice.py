@@ -27,6 +27,7 @@ from .kernels import (
     KERNELS,
     Matmul,
     build,
+    fp8_operands,
     integer_grid,
     w8a8_integers,
 )
@@ -41,15 +42,41 @@ def int4_kernel_available(device: torch.device = torch.device("cpu")) -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
+def fp8_kernel_fits(linears: list, device: torch.device) -> bool:
+    """Whether ``kernels.FP8`` runs this group: FP8 weights and inputs on every linear, one static
+    input scale (or none) for the input they share, and on a GPU FP8 tensor cores with row-wise
+    scales (Hopper or newer) and widths of whole 16s."""
+    operands = [fp8_operands(lin) for lin in linears]
+    if any(o is None for o in operands):
+        return False
+    statics = [o[2] for o in operands]
+    if any(s is None for s in statics) != all(s is None for s in statics):
+        return False
+    if statics[0] is not None and not all(torch.equal(s, statics[0]) for s in statics):
+        return False
+    if device.type == "cuda":
+        widths = (linears[0].in_features, sum(lin.out_features for lin in linears))
+        return fp8_tensor_cores(device) and all(w % 16 == 0 for w in widths)
+    return device.type == "cpu"
+
+
+def fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether ``device`` is a GPU whose FP8 products take a scale per row (Hopper or newer)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
 def exact_formats(linears: list, device: torch.device) -> list[str]:
     """The formats that hold every linear of the group exactly, on ``device``."""
     if all(w8a8_integers(lin) is not None for lin in linears) and (
         device.type == "cpu" or linears[0].in_features % 8 == sum(lin.out_features for lin in linears) % 8 == 0
     ):
         return ["w8a8"]  # its activations are int8 by design: the float formats would not be W8A8
+    if device.type == "cuda" and fp8_kernel_fits(linears, device):
+        return ["fp8"]  # as the server computes it, on the tensor cores FP8 exports are for
     if device.type != "cpu":
         return ["dense"] + (["int4"] if _int4_fits(linears, device) else [])
     found = ["fp32"] + (["fp32-onednn"] if onednn.onednn_available() else [])
+    found += ["fp8"] if fp8_kernel_fits(linears, device) else []
     weights = [lin.weight.detach() for lin in linears]
     if all(torch.equal(w.to(torch.bfloat16).to(w.dtype), w) for w in weights):
         found.append("bf16")
@@ -208,7 +235,7 @@ def choose(
                 if all(f in exact_formats(lins, device) for lins in layers[1:])
             ] or ["fp32"]
         if kernel == "auto":
-            exact = [f for f in exact if not KERNELS[f].rounds_rows] or ["fp32"]  # lossy: asked for only
+            exact = [f for f in exact if KERNELS[f].offered_to_auto(device)] or ["fp32"]  # the rest: asked for only
         if compiled and kernel == "auto" and "bf16" in exact:
             exact = [f for f in exact if f == "bf16" or f not in FLOAT_FORMATS]
         if kernel == "auto" and len(exact) == 1:
@@ -227,7 +254,7 @@ def choose(
                 _keep_timed(key, measured, device)
             timings[name] = measured
             formats[name] = min(timings[name], key=timings[name].get)
-        elif kernel in exact or exact == ["w8a8"]:  # W8A8 has one format
+        elif kernel in exact or exact in (["w8a8"], ["fp8"]):  # W8A8 has one format, FP8 one on a GPU
             formats[name] = kernel if kernel in exact else exact[0]
         elif "dense" in exact:  # an accelerator: its own dtype
             formats[name] = "dense"

@@ -9,8 +9,10 @@ torch's packed-int4 CPU kernel (``_weight_int4pack_mm_for_cpu``, tinygemm's layo
 ``zero = −z·scale``, so it computes exactly the weights we evaluate), our own AVX2 kernels for bf16
 and W4 weights (``native``: ``bf16-avx2``, ``int4-avx2``, ``int4-a16``), or W8A8 on ``torch._int_mm``
 (each row rounded to int8 with its own scale ``max|x| / 127.5``, as compressed-tensors and our
-evaluation do). On a GPU: the model's dtype, or tinygemm's CUDA int4 kernel
-(``_weight_int4pack_mm``, same dequantization, its own packing) for W4 groups.
+evaluation do), or FP8 weights and inputs on ``torch._scaled_mm`` (each row rounded to E4M3 with
+its own scale ``max|x| / 448``, or the calibrated static one, as vLLM's FP8 kernels do). On a GPU:
+the model's dtype, tinygemm's CUDA int4 kernel (``_weight_int4pack_mm``, same dequantization, its
+own packing) for W4 groups, or FP8's.
 
 The integers come from the linear's ``QuantizedWeight``: left by our passes in the same process,
 or read back from an export (``formats.compressed_tensors.attach_integers``); a W8A8 export loaded
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..quant import QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
+from ..quant import FP8_MAX, InputScale, QuantScheme, dequantize, input_quant_of, quantize_weight, quantized_of
 from . import native, onednn
 from .onednn import prompt_product
 
@@ -66,6 +68,19 @@ def w8a8_integers(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None
     return q.to(torch.int8), scale
 
 
+def fp8_operands(linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """(E4M3 weight, per-channel scale, static input scale or None) of a linear with FP8 weights per
+    output channel and FP8 inputs per token or under one calibrated scale (compressed-tensors'
+    FP8_DYNAMIC and FP8): what ``torch._scaled_mm`` takes. Ours in process, or attached from an export
+    by ``formats.compressed_tensors.attach_integers``."""
+    qw, act = quantized_of(linear), input_quant_of(linear)
+    if qw is None or act is None or qw.scheme.format != "fp8" or qw.scheme.group_size != -1:
+        return None
+    if act.format != "fp8" or act.group_size is not None or not (act.per_token or act.static):
+        return None
+    return qw.q, qw.scale.reshape(-1), InputScale.of(linear).value if act.static else None
+
+
 FORMATS = (
     "fp32",
     "fp32-onednn",
@@ -78,6 +93,7 @@ FORMATS = (
     "int4-a8",
     "int8g-avx2",
     "w8a8",
+    "fp8",
 )
 FLOAT_FORMATS = ("fp32", "fp32-onednn", "bf16")  # compiled, these all become the compiler's own GEMM
 VERIFY_ROWS = 16  # inputs up to this many rows are speculative verify steps (longer ones: prompts)
@@ -106,6 +122,11 @@ class Matmul:
     # too, so its engine keeps what the export scored): the engine's tokens already differ from the
     # model's by more than a bf16 KV cache changes them, and ``auto`` never picks it
     rounds_rows: ClassVar[bool] = False
+
+    @classmethod
+    def offered_to_auto(cls, device: torch.device) -> bool:
+        """Whether ``auto`` may pick it on ``device`` (not a lossy kernel: those are asked for)."""
+        return not cls.rounds_rows
 
     def __init_subclass__(cls, formats: tuple[str, ...] = (), **kwargs):
         super().__init_subclass__(**kwargs)
@@ -475,6 +496,43 @@ class W8A8(Matmul, formats=("w8a8",)):
         if q.is_cuda and rows < self.CUDA_ROWS:  # integer products: a padded row changes no other row
             q = F.pad(q, (0, 0, 0, self.CUDA_ROWS - rows))
         return torch._int_mm(q, self.weight_t)[:rows].float() * scale * self.scale
+
+
+class FP8(Matmul, formats=("fp8",)):
+    """FP8 E4M3 weights and inputs on ``torch._scaled_mm``: each input row rounded to E4M3 under its
+    own scale (``max|x| / 448``) or the calibrated static one, products summed in float32, then
+    both scales applied, as compressed-tensors' FP8 exports run on Hopper in vLLM. torch's CPU
+    ``_scaled_mm`` is a plain loop, tens of times slower than bf16 there, so ``auto`` takes it only on
+    a GPU; on a CPU ``--kernel fp8`` asks for it, to decode as a server computes."""
+
+    fmt = "fp8"  # float32 rows: rounded to E4M3 from the stream's values, as the evaluation rounds them
+
+    @classmethod
+    def offered_to_auto(cls, device):
+        return device.type == "cuda"
+
+    @classmethod
+    def from_linears(cls, fmt, linears, device, traceable):
+        q, scale, static = zip(*(fp8_operands(lin) for lin in linears))
+        return cls(torch.cat(q), torch.cat(scale), static[0], _bias(linears), device)
+
+    def __init__(self, q, scale, input_scale, bias, device: torch.device = torch.device("cpu")):
+        self.device = device
+        super().__init__(bias)
+        # (in, out) column-major, as ``_scaled_mm`` takes its second operand
+        self.weight_t, self.scale = q.to(device).t(), scale.float().reshape(1, -1).to(device)
+        self.input_scale = None if input_scale is None else input_scale.float().reshape(1, 1).to(device)
+        # row-wise scaled products come out in float32 on a CPU and on Hopper's cuBLAS only; bf16 elsewhere
+        self.out_dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+        self.nbytes, (self.out_features, self.in_features) = q.nbytes + self.scale.nbytes, q.shape
+
+    def matmul(self, x):
+        if self.input_scale is None:  # the evaluation's rounding (``quant.round_fp8``)
+            scale = (x.abs().amax(-1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)
+        else:
+            scale = self.input_scale.expand(x.shape[0], 1).contiguous()  # row-wise, as ``scale_b`` is
+        q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        return torch._scaled_mm(q, self.weight_t, scale_a=scale, scale_b=self.scale, out_dtype=self.out_dtype)
 
 
 def _stacked(linears: list, part) -> torch.Tensor:

@@ -283,6 +283,11 @@ class Reader:
         if scheme is None:
             raise ValueError(f"{name}: the export's quantization_config names no scheme for it")
         w = scheme.weights
+        if w.type == "float" and w.num_bits == 8 and str(w.strategy).endswith("channel"):
+            t = checkpoint.read([f"{name}.weight", f"{name}.weight_scale"])
+            scale = t[f"{name}.weight_scale"]
+            fp8 = QuantScheme(8, -1, True, format="fp8")
+            return QuantizedWeight(fp8, t[f"{name}.weight"], scale, torch.zeros(scale.shape, dtype=torch.int8))
         if w.type != "int":
             raise ValueError(f"{name} stores {w.num_bits}-bit float values, not integers ({self.format})")
         ours = QuantScheme(w.num_bits, -1 if w.group_size is None else w.group_size, w.symmetric)
@@ -300,14 +305,18 @@ class Reader:
         return QuantizedWeight(ours, q.to(torch.int8), scale, zero.to(torch.int8))
 
 
-def unsimulated_by_decoder(folder: str | Path) -> list[str]:
-    """What of the export's formats the CPU decode engine runs in 16 bits (it has no float kernels,
-    and integer inputs only in W8A8's): float weights dequantized, float inputs, W4A8 / W4A4 int
-    inputs and an FP8 KV cache unrounded."""
+def unsimulated_by_decoder(folder: str | Path, fp8_kernel: bool = False) -> list[str]:
+    """What of the export's formats the decode engine runs in 16 bits (integer inputs are rounded only
+    in W8A8's kernel, FP8 weights and inputs only on the FP8 kernel, ``fp8_kernel``): float weights
+    dequantized, float inputs, W4A8 / W4A4 int inputs and an FP8 KV cache unrounded."""
     config = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
-    parts = [f"{config['format']} weights run dequantized"] if config.get("format") in FLOAT_FORMATS.values() else []
-    inputs = [g.get("input_activations") or {} for g in (config.get("config_groups") or {}).values()]
-    if bits := {a.get("num_bits") for a in inputs if a.get("type") == "float"}:
+    groups = (config.get("config_groups") or {}).values()
+    served = fp8_kernel and groups and all(_fp8_kernel_runs(g) for g in groups)
+    parts = []
+    if config.get("format") in FLOAT_FORMATS.values() and not served:
+        parts.append(f"{config['format']} weights run dequantized")
+    inputs = [g.get("input_activations") or {} for g in groups]
+    if not served and (bits := {a.get("num_bits") for a in inputs if a.get("type") == "float"}):
         parts.append(f"{'FP4' if 4 in bits else 'FP8'} inputs run unrounded")
     if config.get("format") != "int-quantized" and (
         bits := {a.get("num_bits") for a in inputs if a.get("type") == "int"}
@@ -318,16 +327,28 @@ def unsimulated_by_decoder(folder: str | Path) -> list[str]:
     return parts
 
 
+def _fp8_kernel_runs(group: dict) -> bool:
+    """Whether a config group is FP8 weights per channel with FP8 inputs per token or under one
+    static scale: what the decoder's FP8 kernel computes as served."""
+    w, a = group.get("weights") or {}, group.get("input_activations") or {}
+    fp8 = all(t.get("type") == "float" and t.get("num_bits") == 8 for t in (w, a))
+    per_token_or_static = a.get("strategy") == "token" or (a.get("strategy") == "tensor" and not a.get("dynamic"))
+    return fp8 and w.get("strategy") == "channel" and per_token_or_static
+
+
 def attach_integers(model: torch.nn.Module, folder: str | Path) -> int:
     """Attach to each linear of ``model`` (loaded from ``folder``, dequantized) the integers its export
-    stores in the ``pack-quantized`` layout, as the passes left them (the decoder's integer kernels
-    read them); returns how many linears got one."""
+    stores in the ``pack-quantized`` layout, or the E4M3 values of FP8 weights per channel
+    (``float-quantized``), as the passes left them (the decoder's integer and FP8 kernels read them);
+    returns how many linears got one."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
-    if config.get("format") != "pack-quantized":
+    if config.get("format") not in ("pack-quantized", "float-quantized"):
         return 0
     layout, checkpoint = Reader(config), Checkpoint(folder)
     names = layout.quantized_linears(checkpoint)
+    if config["format"] == "float-quantized":
+        names = [n for n in names if (s := layout.scheme_for(n)) and str(s.weights.strategy).endswith("channel")]
     for name in names:
         layout.integers(checkpoint, name).attach(model.get_submodule(name))
     return len(names)
