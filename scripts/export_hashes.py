@@ -7,8 +7,9 @@ samples). The weight files (safetensors, GGUF, an adapter's) and ``config.json``
 recipe that a model refuses records its one-line error instead.
 
 Floating-point sums differ between CPUs (vector widths, library kernels), so hashes are kept per
-machine: ``--write`` records this machine's under its key (CPU, flags, torch), run on a tree whose
-exports are known to be right; a plain run compares with them and exits 1 on a difference.
+machine: ``--write`` records this machine's under its key (CPU name and family, flags, threads,
+torch), run on a tree whose exports are known to be right; a plain run compares with them and
+exits 1 on a difference.
 ``tests/test_export_hashes.py`` runs the tiny models' check where hashes of this machine exist.
 
     python scripts/export_hashes.py --write [--smollm2]   # record, on a trusted tree
@@ -37,7 +38,8 @@ def machine_key() -> str:
     from compress import machine
 
     isa = " ".join(f for f in machine.ISA if f in machine.cpu_flags())
-    return f"{machine.cpu_name()} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}"
+    name = f"{machine.cpu_name()} family {machine.cpu_family()}"
+    return f"{name} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def tiny_models(folder: Path) -> dict[str, Path]:
