@@ -27,12 +27,6 @@ def cpu_name() -> str:
     return _cpuinfo("model name") or platform.processor() or "unknown CPU"
 
 
-def cpu_family() -> str:
-    """The CPU family number: AMD's Zen 3 and 4 share 25, Zen 5 is 26, and one name ("AMD EPYC")
-    with the same flags can round differently from one family to the next."""
-    return _cpuinfo("cpu family") or "?"
-
-
 def isa_limit() -> str | None:
     """torch's ``ATEN_CPU_CAPABILITY`` when it caps the vector instructions torch uses (``avx2`` or
     ``default``): we cap ours to match, so that an AVX-512 machine can run and time the code an

@@ -7,9 +7,10 @@ samples). The weight files (safetensors, GGUF, an adapter's) and ``config.json``
 recipe that a model refuses records its one-line error instead.
 
 Floating-point sums differ between CPUs (vector widths, library kernels), so hashes are kept per
-machine: ``--write`` records this machine's under its key (CPU name and family, flags, threads,
-torch), run on a tree whose exports are known to be right; a plain run compares with them and
-exits 1 on a difference.
+kind of numerics: ``--write`` records this machine's under its key (a fingerprint of how it computes
+a few products and factorisations, threads, torch; the machines seen with it are listed beside),
+run on a tree whose exports are known to be right; a plain run compares with them and exits 1 on a
+difference.
 ``tests/test_export_hashes.py`` runs the tiny models' check where hashes of this machine exist.
 
     python scripts/export_hashes.py --write [--smollm2]   # record, on a trusted tree
@@ -34,12 +35,38 @@ TABLE = Path(__file__).resolve().parent.parent / "tests" / "data" / "export_hash
 SMOLLM2_RECIPES = ("rtn-w4", "gptq-w4")
 
 
-def machine_key() -> str:
-    from compress import machine
+def numerics() -> str:
+    """sha256 of float work of the kinds the passes do (products and Gram matrices in float32,
+    float64 and bfloat16, sums, softmax, Cholesky factors, triangular inverses, SVDs) on fixed
+    inputs, at the tiny models' widths and SmolLM2's. Machines that compute these alike are taken to export alike:
+    a CPU's name, family and flags do not tell (two AMD EPYCs reporting family 25 and the same
+    AVX-512 flags exported nine recipes differently, and one of them exported as a family 26 did)."""
+    g, h = torch.Generator().manual_seed(0), hashlib.sha256()
 
-    isa = " ".join(f for f in machine.ISA if f in machine.cpu_flags())
-    name = f"{machine.cpu_name()} family {machine.cpu_family()}"
-    return f"{name} ({isa}), {torch.get_num_threads()} threads, torch {torch.__version__}"
+    def add(t: torch.Tensor) -> None:
+        h.update(t.detach().float().contiguous().numpy().tobytes())
+
+    for n in (64, 128, 576):
+        x, w = torch.randn(512, n, generator=g), torch.randn(2 * n, n, generator=g)
+        for dtype in (torch.float32, torch.float64, torch.bfloat16):
+            xd = x.to(dtype)
+            gram = xd.T @ xd
+            add(gram)
+            add(torch.nn.functional.linear(xd, w.to(dtype)))
+            add(xd.sum(0))
+            add(xd.pow(2).mean(-1))
+            add(torch.softmax(xd, -1))
+            if dtype is not torch.bfloat16:
+                factor = torch.linalg.cholesky(gram + n * torch.eye(n, dtype=dtype))
+                add(factor)
+                add(torch.linalg.solve_triangular(factor, torch.eye(n, dtype=dtype), upper=False))
+                add(torch.linalg.svd(w.to(dtype), full_matrices=False).S)
+    return h.hexdigest()
+
+
+def machine_key() -> str:
+    """The table's key: how this machine computes (``numerics``), with its thread count and torch."""
+    return f"numerics {numerics()[:16]}, {torch.get_num_threads()} threads, torch {torch.__version__}"
 
 
 def tiny_models(folder: Path) -> dict[str, Path]:
@@ -182,6 +209,7 @@ def main() -> int:
     key = machine_key()
     if args.write:
         mine = table.setdefault(key, {})
+        mine["machines"] = sorted({*mine.get("machines", []), machine.describe()})
         for model, by_recipe in measured.items():
             mine.setdefault(model, {}).update(by_recipe)
         TABLE.parent.mkdir(exist_ok=True)

@@ -1,7 +1,7 @@
 """Every shipped recipe exports, byte for byte, what it exported when the hashes were recorded
 (``scripts/export_hashes.py``): a change of the code's layout changes no user's files. Hashes are
-kept per machine (floating-point sums differ between CPUs), so a recipe is compared on the machines
-it was recorded on; every shipped recipe must be recorded on at least one."""
+kept per kind of numerics (floating-point sums differ between CPUs; ``export_hashes.numerics``), so
+a recipe is compared where it was recorded; every shipped recipe must be recorded on at least one."""
 
 import json
 from pathlib import Path
