@@ -36,6 +36,12 @@ about 70% of the increase):
   rounding and by its transpose after (QuaRot, Ashkboos et al. 2024): the rotation spreads an
   outlying channel over all of a token's channels, so one channel no longer sets its group's step.
   A decoder folds the matrix into ``v_proj`` and ``o_proj``; here it multiplies the cache.
+- ``rotate_keys``: each head's keys are rounded in a Hadamard basis too, after the rotary embedding
+  (QuaRot's online ``R3``: a decoder rotates the query alike, so the scores are the same before
+  rounding, and no weight can hold it, rotary lying between ``k_proj`` and the cache). It spreads an
+  outlying key channel over the token's channels: what keys rounded per token (``residual: 0``)
+  need. KIVI's per-channel key scales already keep such a channel apart, and the rotation mixes it
+  back into the others.
 """
 
 from __future__ import annotations
@@ -66,6 +72,7 @@ class KVScheme(State, attr="kv_scheme"):
     key_group_size: int | None = None  # tokens sharing a key channel's scale; None: group_size
     fp8_key_scales: bool = False  # key scales in float8 e4m3, minima in 16 bits
     rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot)
+    rotate_keys: bool = False  # keys rounded in a Hadamard basis after the rotary embedding (QuaRot's R3)
 
     holds_tensors: ClassVar[bool] = False
 
@@ -118,6 +125,7 @@ class KVScheme(State, attr="kv_scheme"):
                 ("pre-RoPE keys", self.pre_rope),
                 ("fp8 key scales", self.fp8_key_scales),
                 ("Hadamard values", self.rotate_values),
+                ("Hadamard keys", self.rotate_keys),
             )
             if on
         ]
@@ -155,6 +163,8 @@ def _groups_of_channels(x: torch.Tensor, group: int) -> torch.Tensor:
 
 def quantize_keys(k: torch.Tensor, s: KVScheme):
     """``k`` (batch, heads, tokens, dim), tokens a multiple of ``key_group`` (per channel) unless no window."""
+    if s.rotate_keys:
+        k = k @ hadamard(k.shape[-1], k.dtype, k.device)
     if s.residual == 0:
         return _minmax(_groups_of_channels(k, s.key_group), -1, s.bits, s.fp8_key_scales)
     b, h, n, d = k.shape
@@ -175,6 +185,12 @@ def quantize_values(v: torch.Tensor, s: KVScheme):
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor, shape) -> torch.Tensor:
     return (codes.to(scale.dtype) * scale + minimum).reshape(shape)
+
+
+def dequantize_keys(quantized: tuple, shape, s: KVScheme) -> torch.Tensor:
+    """``quantize_keys``' inverse: back from the Hadamard basis with ``rotate_keys``."""
+    k = dequantize(*quantized, shape)
+    return k @ hadamard(k.shape[-1], k.dtype, k.device).T if s.rotate_keys else k
 
 
 def dequantize_values(quantized: tuple, shape, s: KVScheme) -> torch.Tensor:
@@ -201,9 +217,9 @@ def round_trip(
         if rotary is None:
             raise ValueError("pre_rope: the keys' rotary angles are needed")
         before = rotate(k, *rotary, inverse=True)
-        keys = rotate(dequantize(*quantize_keys(before, s), k.shape), *rotary)
+        keys = rotate(dequantize_keys(quantize_keys(before, s), k.shape, s), *rotary)
     else:
-        keys = dequantize(*quantize_keys(k, s), k.shape)
+        keys = dequantize_keys(quantize_keys(k, s), k.shape, s)
     return keys, dequantize_values(quantize_values(v, s), v.shape, s)
 
 
@@ -256,7 +272,7 @@ class KIVILayer(DynamicLayer):
         empty = self.keys[..., :0, :]
         if not self.chunks:
             return empty, self.values[..., :0, :]
-        keys = [dequantize(*qk, shape) for qk, _, shape, _ in self.chunks]
+        keys = [dequantize_keys(qk, shape, self.scheme) for qk, _, shape, _ in self.chunks]
         if self.scheme.pre_rope:
             keys = [rotate(k, *self.rotary(start, k.shape[-2], k)) for k, (*_, start) in zip(keys, self.chunks)]
         values = [dequantize_values(qv, shape, self.scheme) for _, qv, shape, _ in self.chunks]

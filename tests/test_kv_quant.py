@@ -86,6 +86,21 @@ def test_rotated_values_spread_an_outlying_channel():
         kv_quant.hadamard(6, torch.float32, torch.device("cpu"))
 
 
+def test_rotated_keys_spread_an_outlying_channel_when_keys_are_rounded_per_token():
+    """Keys rounded per token (no window) suffer an outlying channel as values do, and the Hadamard
+    basis spreads it; the round trip is exact when unquantized, with per-channel groups too."""
+    k = torch.randn(1, 2, 64, 16, generator=torch.Generator().manual_seed(4))
+    k[..., 3] *= 20
+    error = {
+        rotated: (kv_quant.dequantize_keys(quantize_keys(k, s), k.shape, s) - k).square().mean()
+        for rotated, s in ((False, KVScheme(2, 16, 0)), (True, KVScheme(2, 16, 0, rotate_keys=True)))
+    }
+    assert error[True] < 0.6 * error[False]
+    for lossless in (KVScheme(8, 16, 0, rotate_keys=True), KVScheme(8, 16, 32, rotate_keys=True)):
+        back = kv_quant.dequantize_keys(quantize_keys(k, lossless), k.shape, lossless)
+        torch.testing.assert_close(back, k, atol=0.1, rtol=0)
+
+
 def test_bytes_per_token_counts_codes_scales_and_minima():
     s = KVScheme(4, 16, 32)
     k = KV[:1, :1]  # one layer, one head: 64 tokens × 32 dims
@@ -114,6 +129,8 @@ def test_bytes_per_token_counts_codes_scales_and_minima():
         KVScheme(2, 16, 0, pre_rope=True),
         KVScheme(2, 16, 32, 4, True, key_group_size=8, fp8_key_scales=True, rotate_values=True),
         KVScheme(2, 8, 0, key_group_size=16, rotate_values=True),
+        KVScheme(2, 16, 0, rotate_keys=True, rotate_values=True),
+        KVScheme(2, 16, 32, 4, True, rotate_keys=True),
     ],
 )
 def test_simulated_evaluation_equals_decoding_with_the_cache(model_type, scheme):
@@ -167,6 +184,7 @@ def test_scheme_is_exported_and_reinstalled(tmp_path):
         "key_group_size": None,
         "fp8_key_scales": False,
         "rotate_values": False,
+        "rotate_keys": False,
     }
     assert kv_quant.scheme_of(reloaded) == KVScheme(2, 16, 128, pre_rope=True)
     assert isinstance(kv_quant.new_cache(reloaded), KIVICache)
@@ -196,7 +214,8 @@ def test_bad_kv_options_are_refused(passes, message):
         recipe.passes[0].check(tiny("llama"))
 
 
-def test_rotated_values_need_a_head_dimension_with_a_hadamard_matrix():
-    recipe = parse("passes:\n  - kv_cache: {bits: 2, group_size: 2, rotate_values: true}\n")
-    with pytest.raises(RecipeError, match=r"passes\[0\].kv_cache.rotate_values: .*known for width 6 .*turn it off"):
+@pytest.mark.parametrize("key", ["rotate_values", "rotate_keys"])
+def test_rotated_values_or_keys_need_a_head_dimension_with_a_hadamard_matrix(key):
+    recipe = parse(f"passes:\n  - kv_cache: {{bits: 2, group_size: 2, {key}: true}}\n")
+    with pytest.raises(RecipeError, match=rf"passes\[0\].kv_cache.{key}: .*known for width 6 .*turn it off"):
         recipe.passes[0].check(tiny("llama", hidden=24))  # head dimension 6

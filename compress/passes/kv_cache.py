@@ -26,6 +26,7 @@ class KVCacheOptions(PassOptions):
     key_group_size: int | None = Field(None, gt=0)  # tokens sharing a key channel's scale; default group_size
     fp8_key_scales: bool = False  # key scales in float8 e4m3, minima in 16 bits
     rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot)
+    rotate_keys: bool = False  # keys rounded in a Hadamard basis after the rotary embedding (QuaRot's R3)
 
 
 class KVCachePass(LayerPass):
@@ -57,11 +58,12 @@ class KVCachePass(LayerPass):
                 f"{self.where}.key_group_size: without a window keys are grouped by channel, and "
                 f"{self.scheme.key_group} does not divide the head dimension {head_dim}; use a divisor of it"
             )
-        if self.scheme.rotate_values:
-            try:
-                hadamard(head_dim, torch.float32, torch.device("cpu"))
-            except ValueError as e:
-                raise RecipeError(f"{self.where}.rotate_values: {e}; turn it off") from None
+        for key in ("rotate_values", "rotate_keys"):
+            if getattr(self.scheme, key):
+                try:
+                    hadamard(head_dim, torch.float32, torch.device("cpu"))
+                except ValueError as e:
+                    raise RecipeError(f"{self.where}.{key}: {e}; turn it off") from None
 
     def apply(self, block, data, prefix: str) -> None:
         for attention in attention_modules(block):

@@ -29,7 +29,9 @@ block sees the rotated model: the later passes' statistics, the allocation's cos
 GPTAQ compares with, a resumed run. ``rotate`` is therefore the recipe's first pass, and does
 nothing in the sweep itself.
 
-Not yet: online rotations of queries and keys (before a quantized KV cache), Gemma-3's residual
+QuaRot's online rotation of queries and keys (``R3``, before a quantized KV cache) belongs to the
+cache: ``kv_cache: {rotate_keys: true}`` rounds each head's keys in a Hadamard basis after the
+rotary embedding. Not yet: Gemma-3's residual
 stream (each block's output passes a norm with its own weight before it is added to the stream, so
 no rotation of the stream can be folded into the weights; its values and ``down_proj``'s input
 rotate), mixture-of-experts blocks.
