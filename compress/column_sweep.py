@@ -100,9 +100,8 @@ def _sweep(
     global_scale: torch.Tensor | None = None,
     overwrite: bool = False,
 ) -> SweepResult:
-    W = weight.to(torch.float32, copy=True)
+    W, dead = weight.to(torch.float32, copy=True), dead_columns(H)
     rows, cols = W.shape
-    dead = dead_columns(H)
     W[:, dead] = 0
     mask = torch.zeros_like(W, dtype=torch.bool) if mask is None else mask.clone()
     if scheme is not None:
