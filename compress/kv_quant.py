@@ -36,12 +36,12 @@ about 70% of the increase):
   rounding and by its transpose after (QuaRot, Ashkboos et al. 2024): the rotation spreads an
   outlying channel over all of a token's channels, so one channel no longer sets its group's step.
   A decoder folds the matrix into ``v_proj`` and ``o_proj``; here it multiplies the cache.
-- ``rotate_keys``: each head's keys are rounded in a Hadamard basis too, after the rotary embedding
-  (QuaRot's online ``R3``: a decoder rotates the query alike, so the scores are the same before
-  rounding, and no weight can hold it, rotary lying between ``k_proj`` and the cache). It spreads an
-  outlying key channel over the token's channels: what keys rounded per token (``residual: 0``)
-  need. KIVI's per-channel key scales already keep such a channel apart, and the rotation mixes it
-  back into the others.
+- ``rotate_keys``: each head's keys are rounded in a Hadamard basis too (QuaRot's online ``R3``:
+  after the rotary embedding a decoder rotates the query alike, so the scores are the same before
+  rounding, and no weight can hold it, rotary lying between ``k_proj`` and the cache; with
+  ``pre_rope`` the keys are rotated before the rotary embedding, as they are rounded). It spreads an
+  outlying key channel over the token's channels, which keys rounded per token (``residual: 0``)
+  need most; it helped KIVI's per-channel groups too (docs/results.md, "Hadamard keys").
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ class KVScheme(State, attr="kv_scheme"):
     key_group_size: int | None = None  # tokens sharing a key channel's scale; None: group_size
     fp8_key_scales: bool = False  # key scales in float8 e4m3, minima in 16 bits
     rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot)
-    rotate_keys: bool = False  # keys rounded in a Hadamard basis after the rotary embedding (QuaRot's R3)
+    rotate_keys: bool = False  # keys rounded in a Hadamard basis (QuaRot's R3)
 
     holds_tensors: ClassVar[bool] = False
 

@@ -26,7 +26,7 @@ class KVCacheOptions(PassOptions):
     key_group_size: int | None = Field(None, gt=0)  # tokens sharing a key channel's scale; default group_size
     fp8_key_scales: bool = False  # key scales in float8 e4m3, minima in 16 bits
     rotate_values: bool = False  # values rounded in a Hadamard basis (QuaRot)
-    rotate_keys: bool = False  # keys rounded in a Hadamard basis after the rotary embedding (QuaRot's R3)
+    rotate_keys: bool = False  # keys rounded in a Hadamard basis (QuaRot's R3)
 
 
 class KVCachePass(LayerPass):
