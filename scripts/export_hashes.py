@@ -38,9 +38,10 @@ SMOLLM2_RECIPES = ("rtn-w4", "gptq-w4")
 def numerics() -> str:
     """sha256 of float work of the kinds the passes do (products and Gram matrices in float32,
     float64 and bfloat16, sums, softmax, Cholesky factors, triangular inverses, SVDs) on fixed
-    inputs, at the tiny models' widths and SmolLM2's. Machines that compute these alike are taken to export alike:
-    a CPU's name, family and flags do not tell (two AMD EPYCs reporting family 25 and the same
-    AVX-512 flags exported nine recipes differently, and one of them exported as a family 26 did)."""
+    inputs, at the tiny models' widths and SmolLM2's. Machines that compute these alike are taken
+    to export alike: a CPU's name, family and flags do not tell (two AMD EPYCs reporting family 25
+    and the same AVX-512 flags exported nine recipes differently, and one of them exported as a
+    family 26 did)."""
     g, h = torch.Generator().manual_seed(0), hashlib.sha256()
 
     def add(t: torch.Tensor) -> None:

@@ -31,10 +31,9 @@ nothing in the sweep itself.
 
 QuaRot's online rotation of queries and keys (``R3``, before a quantized KV cache) belongs to the
 cache: ``kv_cache: {rotate_keys: true}`` rounds each head's keys in a Hadamard basis. Not yet:
-Gemma-3's residual
-stream (each block's output passes a norm with its own weight before it is added to the stream, so
-no rotation of the stream can be folded into the weights; its values and ``down_proj``'s input
-rotate), mixture-of-experts blocks.
+Gemma-3's residual stream (each block's output passes a norm with its own weight before it is added
+to the stream, so no rotation of the stream can be folded into the weights; its values and
+``down_proj``'s input rotate), mixture-of-experts blocks.
 """
 
 from __future__ import annotations
