@@ -207,6 +207,12 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
         "with --method prompt-lookup it drafts where lookup finds no match",
     )
     p.add_argument(
+        "--draft-head",
+        metavar="FOLDER",
+        help="eagle, eagle-lookup: the EAGLE head (an export holding eagle/, or that folder; "
+        "default: the one saved with the model, by the eagle pass)",
+    )
+    p.add_argument(
         "--exit-threshold",
         type=_number(0, 1, low_open=True, auto=True),
         default="auto",

@@ -283,6 +283,10 @@ def _decode(args) -> None:
         raise decode.DecodeError(problem)
     if args.datastore:
         settings.store = Datastore.load(args.datastore, tokenizer_fingerprint(tokenizer))
+    if method.head:
+        settings.head = _draft_head(args, model)
+    elif args.draft_head:
+        raise decode.DecodeError(f"--draft-head is for --method eagle or eagle-lookup, not {args.method}")
     # every method runs on the engine (KIVI caches too); a lossy lm_head for the target only
     target = engine(model, lm_head=None if args.lm_head == "exact" else args.lm_head)
     settings.draft = _draft(args, model, tokenizer, device, engine, sampling)
@@ -391,6 +395,23 @@ def _refuse_another_vocabulary(what: str, other, name: str, loaded) -> None:
             f"{what} has a vocabulary of {other.model.config.vocab_size} tokens, {name} of "
             f"{loaded.model.config.vocab_size}; it must share the model's vocabulary"
         )
+
+
+def _draft_head(args, model):
+    """The EAGLE head for ``--method eagle``: ``--draft-head``, else the one exported with the model."""
+    from . import decode
+    from .formats import eagle_head
+
+    path = args.draft_head or args.model
+    if args.draft_head is None and eagle_head.find(path) is None:
+        raise decode.DecodeError(
+            f"{args.model} has no EAGLE head beside it: decode an export of a recipe with the eagle pass "
+            "(compress apply eagle-head), or give --draft-head FOLDER"
+        )
+    try:
+        return eagle_head.load_matching(path, model.config)
+    except eagle_head.HeadFormatError as e:
+        raise decode.DecodeError(str(e)) from None
 
 
 def _draft(args, model, tokenizer, device, engine, sampling):

@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from . import factored, hadamard, kv_quant, moe
-from .formats import bitsandbytes, compressed_tensors, gguf_file, peft_adapter
+from .eagle import EagleState
+from .formats import bitsandbytes, compressed_tensors, eagle_head, gguf_file, peft_adapter
 from .formats.safetensors import MAX_SHARD_BYTES, ExportError, ShardWriter, umask
 from .kv_fp8 import KVScale
 from .quant import ActivationScheme, InputScale, QuantizedWeight, QuantScheme, input_quant_of, quantized_of
@@ -347,6 +348,8 @@ class Export:
         try:
             self.shards.close()
             peft_adapter.write(self.loras, self.tmp)
+            if (head := EagleState.of(model)) is not None:
+                eagle_head.write(head.head, self.tmp, head.log)
             config = model.config.to_dict()
             config.pop("auto_map", None)  # code references: an export runs no code from a repository
             config.pop("quantization_config", None)
@@ -450,7 +453,9 @@ def add_evaluation(folder: Path, evaluation: dict, key: str = "eval") -> Path:
 
 def size_on_disk(folder: Path) -> int:
     """Bytes of weights: the checkpoint's safetensors and an adapter's, if any; for an export with a
-    GGUF file, that file's (what llama.cpp loads; a k-quant export keeps its linears dense beside it)."""
+    GGUF file, that file's (what llama.cpp loads; a k-quant export keeps its linears dense beside it).
+    An EAGLE draft head beside the model is not the model's size (its training log says its own)."""
     if ggufs := sorted(Path(folder).glob("*.gguf")):
         return ggufs[0].stat().st_size
-    return sum(p.stat().st_size for p in Path(folder).rglob("*.safetensors"))
+    files = Path(folder).rglob("*.safetensors")
+    return sum(p.stat().st_size for p in files if p.relative_to(folder).parts[0] != eagle_head.FOLDER)

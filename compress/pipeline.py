@@ -446,7 +446,7 @@ def run_passes(
 ) -> torch.nn.Module | None:
     """The block sweep over the layer-passes, then the model passes (recovery training), which
     train the whole model (``model.load_all()`` first) against the original model from
-    ``load_teacher()``; returns that teacher, if loaded. ``on_block`` sees each block once final;
+    ``load_teacher()`` (where one needs it); returns that teacher, if loaded. ``on_block`` sees each block once final;
     ``store``, ``checkpoints``, ``compute``: see ``run_sequential`` (a resumed run trains again from
     the start)."""
     from .passes import ModelPass
@@ -471,8 +471,8 @@ def run_passes(
     )
     if not model_passes:
         return None
-    teacher = load_teacher()
-    for p in layer_passes:  # the teacher as the student was before compression: rotated too (hidden-state losses)
+    teacher = load_teacher() if any(p.needs_teacher for p in model_passes) else None
+    for p in layer_passes if teacher is not None else []:  # the teacher as the student was: rotated too
         p.prepare(streamed(teacher))
     for p in model_passes:
         p.apply_model(model.model, teacher, ids, device)

@@ -250,12 +250,14 @@ def test_every_method_in_the_table_runs_on_the_engine_and_the_lossless_ones_repr
     """``methods.METHODS`` is what ``compress decode --method`` and ``bench_decode.py`` run."""
     from compress.decode.engine import Engine
     from compress.decode.methods import METHODS, Settings
+    from compress.eagle import train_head
 
     model, prompt = tiny("llama"), _prompt()
     target = Engine(model, max_len=128)
     plain = greedy(target, prompt, 24).tokens
     draft = DraftModel(Engine(copy.deepcopy(model), max_len=128), threshold=0.0)
-    settings = Settings(draft=draft, layers=[0], exits=[0], exit_threshold=0.5, model=model)
+    head, _ = train_head(model, prompt, steps=2, lr=1e-3, batch=1, draft_vocab=64, progress=False)
+    settings = Settings(draft=draft, layers=[0], exits=[0], exit_threshold=0.5, model=model, head=head)
     for name, method in METHODS.items():
         settings.draft = draft if method.draft != "none" else None
         tokens = method.run(target, prompt, 24, settings).tokens

@@ -76,10 +76,11 @@ def test_fixed_shape_step_equals_the_dynamic_step(model_type):
     engine.forward(_prompt())  # 24 tokens: past Gemma-3's 8-token sliding window
     for ids in ([7], [5, 17, 99, 3]):
         positions = torch.arange(engine.length, engine.length + len(ids))
-        static = steps.static_logits(engine, torch.tensor(ids), positions)
+        static, static_states = steps.static_logits(engine, torch.tensor(ids), positions)
         dynamic = engine.logits(engine.body(torch.tensor(ids), positions, engine.length + len(ids)))
         torch.testing.assert_close(static, dynamic, atol=1e-5, rtol=1e-5)
         engine.forward(ids)
+        torch.testing.assert_close(static_states, engine.features, atol=1e-5, rtol=1e-5)  # what EAGLE reads
 
 
 def test_cuda_graphs_are_refused_without_a_gpu():
@@ -263,6 +264,7 @@ def test_compiled_step_computes_what_the_eager_step_computes(model_type, package
         expected, got = eager.forward([token]), compiled.forward([token])
         _compiled_or_skip(compiled)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(compiled.features, eager.features, rtol=1e-4, atol=1e-4)  # an EAGLE head reads them
         outputs.append(got)
     assert compiled.compile_seconds > 0 and compiled.compiled.built
     # its own partial file renamed, a stale one removed, another process's recent one kept; over

@@ -60,15 +60,21 @@ class DraftModel:
 
 
 class LookupThenDraft:
-    """Prompt lookup's candidates where it finds a match, else the draft model's: copying is
-    free, drafting costs draft forwards, so the draft works only where copying cannot."""
+    """Prompt lookup's candidates where it finds a match, else the draft's: copying is free,
+    drafting costs draft forwards, so the draft works only where copying cannot. A draft that
+    must see every verified token (an EAGLE head reads the target's states, which only the last
+    forward holds) is told of them (``follow``) when lookup proposes instead."""
 
-    def __init__(self, lookup, draft: DraftModel):
+    def __init__(self, lookup, draft):
         self.lookup, self.draft = lookup, draft
 
     def propose(self, context: list[int], k: int):
         tokens, probs = self.lookup.propose(context, k)
-        return (tokens, probs) if tokens else self.draft.propose(context, k)
+        if not tokens:
+            return self.draft.propose(context, k)
+        if hasattr(self.draft, "follow"):
+            self.draft.follow(context)
+        return tokens, probs
 
 
 def layer_subset(model, keep: list[int]):

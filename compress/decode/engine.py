@@ -173,6 +173,7 @@ class Engine:
         max_len += 2 * steps.SPAN_ALIGN if compile else 0
         self.cache = _cache(self, model, max_len, kv_quant.scheme_of(model) if kivi else None)
         self.compiled, self.compile_seconds, self.note, self.exited = None, 0.0, "", None
+        self.features, self.features_start = None, 0  # the last forward's final-normed states, from this position
         # a compiled step whose every row is computed alone (our kernels and attention) takes exactly
         # its tokens' rows (``steps.run_compiled``): no padding, so a one-token step pays for one row
         self.rows_alone = compile and self.native_attention and all(m.rows_alone for m in self.matmuls)
@@ -230,7 +231,9 @@ class Engine:
 
     @torch.no_grad()
     def forward(self, ids: list[int] | torch.Tensor, all_logits: bool = True, exit_when=None) -> torch.Tensor:
-        """Float32 logits of ``ids`` appended to the cache: (len(ids), vocab), or (1, vocab).
+        """Float32 logits of ``ids`` appended to the cache: (len(ids), vocab), or (1, vocab). The
+        final-normed states of every row are kept in ``features``, the first one's position in
+        ``features_start`` (an EAGLE head reads them; None after an early exit).
 
         ``exit_when(layer index, state entering the layer, state leaving it) -> bool``: early exit for
         one token (eager). Once it answers yes, the logits come from that state, and every later
@@ -240,28 +243,34 @@ class Engine:
         count, context = ids.numel(), self.cache.context
         start = self.cache.make_room(count)
         positions = torch.arange(start, start + count, device=self.device)
+        self.features, self.features_start = None, start
         if exit_when is not None:
             if count != 1:
                 raise DecodeError("early exit decides per token: give one token")
             logits = self.logits(self.body(ids, positions, start + 1, exit_when=exit_when))
         elif self.graphs is not None and count <= self.step_rows and start + self.step_rows <= context:
-            logits = self.graphs(ids, start)
+            logits, self.features = self.graphs(ids, start)
         elif (
             self.compiled is not None
             and count <= self.step_rows
             and start + self.step_rows + steps.SPAN_ALIGN <= context
         ):
-            logits = steps.run_compiled(self, ids, start)  # (near the end of the context: eager, below)
+            logits, self.features = steps.run_compiled(self, ids, start)  # (near the context's end: eager, below)
         else:
-            x = self.body(ids, positions, start + count)
-            logits = self.logits(x if all_logits else x[-1:])
+            self.features = self.final_norm(self.body(ids, positions, start + count))
+            logits = self.head_logits(self.features if all_logits else self.features[-1:])
         self.cache.length = start + count
         return logits if all_logits else logits[-1:]
 
     def logits(self, x: torch.Tensor, whole: bool = False) -> torch.Tensor:
         """Float32 logits of residual states ``x`` (final norm, lm_head, soft-capping); ``whole``:
         see ``kernels.Matmul``."""
-        logits = self.lm_head(self.final_norm(x), whole).float()
+        return self.head_logits(self.final_norm(x), whole)
+
+    def head_logits(self, features: torch.Tensor, whole: bool = False) -> torch.Tensor:
+        """Float32 logits of final-normed states (lm_head, soft-capping): what an EAGLE head's
+        predicted features are read through."""
+        logits = self.lm_head(features, whole).float()
         cap = self.softcap_logits
         return logits if cap is None else torch.tanh(logits / cap) * cap
 

@@ -133,13 +133,28 @@ class HFRunner:
 
     def __init__(self, model, cache=None):
         self.model, self.device, self.config = model, device_of(model), model.config
+        # with ``track_features``, the final-normed states of the last forward's rows, as ``Engine`` keeps
+        self.track_features, self.features, self.features_start = False, None, 0
         self.reset(cache)
 
     def reset(self, cache=None) -> None:
         self.cache = cache if cache is not None else DynamicCache(config=self.model.config)
 
     def forward(self, ids: list[int] | torch.Tensor, all_logits: bool = True) -> torch.Tensor:
-        return forward_logits(self.model, ids, self.cache, all_logits)
+        if not self.track_features:
+            return forward_logits(self.model, ids, self.cache, all_logits)
+        from ..arch import arch_of
+
+        captured = []
+        norm = self.model.get_submodule(arch_of(self.model).norm)
+        handle = norm.register_forward_hook(lambda _m, _i, out: captured.append(out))
+        self.features_start = self.cache.get_seq_length()
+        try:
+            logits = forward_logits(self.model, ids, self.cache, all_logits)
+        finally:
+            handle.remove()
+        self.features = captured[-1][0]
+        return logits
 
     def crop(self, n: int) -> None:
         if n:

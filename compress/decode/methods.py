@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .draft import DraftModel, LookupThenDraft, choose_layers, layer_subset
-from .loop import DecodeError, DecodeResult, Proposer, Sampling, greedy, speculate
+from .loop import DecodeError, DecodeResult, Proposer, Sampling, greedy, runner_for, speculate
 from .prompt_lookup import PromptLookup, default_token_cost
 
 
@@ -43,6 +43,7 @@ class Settings:
     model: torch.nn.Module | None = None  # the transformers model under an engine target (calibration)
     tokenizer: object | None = None  # for searching layers and calibrating exits
     checkpoint: str | None = None  # where self-spec saves the layers it searched
+    head: object | None = None  # eagle: the trained head (``formats.eagle_head.load_matching``)
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Method:
     draft: str = "none"  # a draft model: "none", "optional" or "required"
     datastore: bool = False  # reads a store of earlier outputs
     quantized_cache: bool = True  # runs on a KIVI (quantized) KV cache
+    head: bool = False  # drafts with an EAGLE head (``--draft-head``, or the one saved with the model)
 
     def problem(self, greedy: bool = True, quantized_cache: bool = False, draft: bool = False, store: bool = False):
         """What is wrong with running this method so (sampling or not, on a KIVI cache, with a draft
@@ -85,6 +87,19 @@ def _prompt_lookup(target, prompt, n, s: Settings) -> DecodeResult:
 
 def _draft(target, prompt, n, s: Settings) -> DecodeResult:
     return speculate(target, prompt, n, s.draft, s.k, s.sampling, s.eos)
+
+
+def _eagle(target, prompt, n, s: Settings, lookup: bool = False) -> DecodeResult:
+    from .eagle import EagleDraft
+
+    if s.head is None or s.model is None:
+        raise DecodeError("--method eagle drafts with a trained head: give it and the transformers model")
+    runner = runner_for(target)
+    proposer = EagleDraft(s.head, s.model, runner, s.threshold, s.sampling)
+    if lookup:
+        cost = default_token_cost(runner) if s.token_cost is None else s.token_cost
+        proposer = LookupThenDraft(PromptLookup(token_cost=cost, store=s.store), proposer)
+    return speculate(runner, prompt, n, proposer, s.k, s.sampling, s.eos)
 
 
 def _self_spec(target, prompt, n, s: Settings) -> DecodeResult:
@@ -127,6 +142,14 @@ METHODS = {
         ),
         Method("draft", _draft, "a smaller model (or the target rounded to 4 bits) drafts", draft="required"),
         Method("self-spec", _self_spec, "a subset of the target's own layers drafts"),
+        Method("eagle", _eagle, "a trained EAGLE head drafts from the target's own states", head=True),
+        Method(
+            "eagle-lookup",
+            lambda target, prompt, n, s: _eagle(target, prompt, n, s, lookup=True),
+            "candidates copied from the context where they match, the EAGLE head elsewhere",
+            head=True,
+            datastore=True,
+        ),
         Method("lookahead", _lookahead, "Jacobi guesses and an n-gram pool verified in one forward"),
         Method(
             "early-exit",

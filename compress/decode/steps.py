@@ -58,7 +58,8 @@ class _Step(torch.nn.Module):
         ``rotary``: (cos, sin) tables in the order of ``sorted(engine.cache.rotary)``."""
         tables = dict(zip(sorted(self.engine.cache.rotary), rotary))
         x = self.engine.body(ids, positions, slots.shape[0], static=True, cache=(k_cache, v_cache, tables))
-        return self.engine.logits(x)
+        features = self.engine.final_norm(x)
+        return self.engine.head_logits(features), features
 
 
 # Freezing folds the weights in as constants, which lets inductor prepack them and run its own
@@ -179,7 +180,7 @@ def _examples(engine):
 
 
 def compiled(engine):
-    """The compiled step (``step_rows`` tokens): ids, positions, span -> logits.
+    """The compiled step (``step_rows`` tokens): ids, positions, span -> logits, final-normed states.
 
     Loaded from ``cache_dir()/engine/<fingerprint>.pt2`` when an earlier process built it; else
     exported, compiled with AOTInductor and written there (atomically) on the first call."""
@@ -218,7 +219,7 @@ def compiled(engine):
         _evict(path, limit)
         return torch._inductor.aoti_load_package(str(path))
 
-    def step(ids: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+    def step(ids: torch.Tensor, positions: torch.Tensor, span: int) -> tuple[torch.Tensor, torch.Tensor]:
         nonlocal runner
         if runner is None:
             runner = load_or_build()
@@ -232,14 +233,16 @@ def compiled(engine):
         # loader itself: the packaged model's ``__call__`` parses its call spec from JSON and walks
         # the ~65 inputs with pytree on every call, a visible share of a W4 step
         tables = [t for pair in rotary for t in pair]
-        return loader.boxed_run([ids, positions, slots, *cache.k, *cache.v, *tables])[0]
+        logits, features = loader.boxed_run([ids, positions, slots, *cache.k, *cache.v, *tables])
+        return logits, features
 
     step.path, step.built = path, None  # built: compiled in this process (False: loaded; None: not yet run)
     return step
 
 
-def run_compiled(engine, ids: torch.Tensor, start: int) -> torch.Tensor:
-    """Logits of a step of up to ``step_rows`` tokens through the engine's compiled graph.
+def run_compiled(engine, ids: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and final-normed states of a step of up to ``step_rows`` tokens through the engine's
+    compiled graph.
 
     Lossless speculation needs a token's logits in a verify step to equal, bit for bit, its
     logits in a one-token step, so both run the same code: the tokens are padded to
@@ -255,21 +258,23 @@ def run_compiled(engine, ids: torch.Tensor, start: int) -> torch.Tensor:
     positions = torch.arange(start, start + rows, device=engine.device)
     first, clock = not engine.compile_seconds, time.perf_counter()
     try:
-        logits = engine.compiled(padded, positions, span)
+        logits, features = engine.compiled(padded, positions, span)
     except Exception as e:  # noqa: BLE001 - no C++ compiler, an op inductor cannot lower: run eager
         why = (str(e).splitlines() or [""])[0][:120]
         engine.compiled, engine.note = None, f"compiling failed ({type(e).__name__}: {why}); running eager"
         print(f"[decode engine: {engine.note}]", file=sys.stderr)
-        return engine.logits(engine.body(ids, positions[:count], start + count))
+        features = engine.final_norm(engine.body(ids, positions[:count], start + count))
+        return engine.head_logits(features), features
     if first:
         engine.compile_seconds = time.perf_counter() - clock
-    return logits[:count]
+    return logits[:count], features[:count]
 
 
-def static_logits(engine, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Logits of a step with fixed shapes (what a graph records): attention spans every cache slot,
-    masked, no value read back to the host."""
-    return engine.logits(engine.body(ids, positions, engine.cache.max_len, static=True), whole=True)
+def static_logits(engine, ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and final-normed states of a step with fixed shapes (what a graph records): attention
+    spans every cache slot, masked, no value read back to the host."""
+    features = engine.final_norm(engine.body(ids, positions, engine.cache.max_len, static=True))
+    return engine.head_logits(features, whole=True), features
 
 
 class GraphStep:
@@ -285,7 +290,7 @@ class GraphStep:
 
     def __init__(self, engine, pool=None):
         self.engine, self.pool = engine, pool if pool is not None else torch.cuda.graph_pool_handle()
-        self.captured, self.over = {}, None  # rows -> (graph, ids, positions, logits); the cache they read
+        self.captured, self.over = {}, None  # rows -> (graph, ids, positions, (logits, states)); the cache they read
 
     def __call__(self, ids: torch.Tensor, start: int) -> torch.Tensor:
         engine, count, rows = self.engine, ids.numel(), self.engine.step_rows
@@ -299,15 +304,16 @@ class GraphStep:
             side = torch.cuda.Stream(engine.device)
             side.wait_stream(torch.cuda.current_stream(engine.device))
             with torch.cuda.stream(side):
-                logits = static_logits(engine, static_ids, static_positions)
+                logits, features = static_logits(engine, static_ids, static_positions)
             torch.cuda.current_stream(engine.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 out = static_logits(engine, static_ids, static_positions)
             self.captured[rows] = (graph, static_ids, static_positions, out)
-            return logits[:count]
-        graph, static_ids, static_positions, out = self.captured[rows]
+            return logits[:count], features[:count]
+        graph, static_ids, static_positions, (logits, features) = self.captured[rows]
         static_ids.copy_(ids)
         static_positions.copy_(positions)
         graph.replay()
-        return out[:count].clone()  # graphs share one memory pool: the next replay may overwrite ``out``
+        # graphs share one memory pool: the next replay may overwrite the outputs
+        return logits[:count].clone(), features[:count].clone()

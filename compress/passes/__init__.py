@@ -5,6 +5,7 @@ from .awq import AWQ
 from .base import LayerPass, ModelPass, PrunePass, RecipeError, WeightQuantPass, gguf_scheme, gguf_schemes
 from .blockwise import Blockwise
 from .distill import Distill
+from .eagle import Eagle
 from .gptq import GPTQ
 from .kv_cache import KVCachePass
 from .kv_fp8 import KVFP8
@@ -35,6 +36,7 @@ PASSES = (
     Blockwise,
     Distill,
     QLoRA,
+    Eagle,
 )
 REGISTRY: dict[str, type[LayerPass]] = {cls.name: cls for cls in PASSES}
 

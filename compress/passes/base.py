@@ -124,6 +124,7 @@ class ModelPass(LayerPass):
     compresses = False
     data_parallel = False
     whole_model = True
+    needs_teacher = True  # trains against the original model (an EAGLE head reads only the compressed one)
 
     def order_problem(self, before, after):
         if later := [q for q in after if not isinstance(q, ModelPass)]:
