@@ -2,8 +2,8 @@
 soon as it is measured.
 
     python scripts/bench_decode.py [--model smollm2-135m] [--prompts 8] [--new-tokens 128]
-        [--w4 DIR] [--w4-kernel auto|int4|dense] [--w8a8 DIR] [--fp8 DIR] [--kivi DIR] [--only WORD ...]
-        [--skip WORD ...]
+        [--w4 DIR] [--w4-kernel auto|int4|dense] [--w8a8 DIR] [--fp8 DIR] [--kivi DIR] [--eagle DIR ...]
+        [--eagle-threshold P] [--only WORD ...] [--skip WORD ...]
 
 Two prompt sets of 8 through the chat template, greedy, batch 1: "grounded" (a ~300-token
 wikitext-2 test passage and a request to repeat or summarise it: the output reuses the input)
@@ -18,7 +18,8 @@ weights and inputs on ``torch._scaled_mm`` (``--fp8``: Hopper's FP8 tensor cores
 slow reference loop, there to check it runs, not for speed), prompt lookup,
 a W4 copy of the model drafting for it (alone and behind prompt lookup; both speculative
 methods also on the compiled target, whose verify steps round as its one-token steps), lookahead, early exit
-(lossy), a KIVI cache (``--kivi``: an export of ``kv-int4``; the engine reproduces KIVI's
+(lossy), EAGLE heads (``--eagle``: eager, compiled, behind prompt lookup, and drafting for the
+``--w4`` export), a KIVI cache (``--kivi``: an export of ``kv-int4``; the engine reproduces KIVI's
 numerics at dense speed, not its memory), and llama.cpp on the bundled
 GGUF when llama-cpp-python is installed. Columns: tokens/s; × transformers' eager fp32 greedy;
 new tokens per target forward; outputs identical to transformers' bf16 greedy (the checkpoint's
@@ -54,6 +55,7 @@ from compress.decode import DraftModel, early_exit, greedy, native
 from compress.decode.engine import Engine
 from compress.decode.loop import sync
 from compress.decode.methods import METHODS, Settings
+from compress.formats import eagle_head
 from compress.formats.compressed_tensors import attach_integers
 
 OPEN = [
@@ -140,6 +142,14 @@ def main() -> None:
     parser.add_argument("--w8a8", help="a W8A8 export (of smoothquant-w8a8)")
     parser.add_argument("--fp8", help="an FP8 export (of fp8-dynamic or fp8), run on torch._scaled_mm")
     parser.add_argument("--kivi", help="an export with a KIVI cache (of kv-int4)")
+    parser.add_argument(
+        "--eagle",
+        nargs="*",
+        default=[],
+        help="exports holding an EAGLE head (eagle/, of the eagle-head or best-w4-eagle recipe): each drafts "
+        "for the model, and for the --w4 export when one is given",
+    )
+    parser.add_argument("--eagle-threshold", type=float, default=0.2, help="the head drafts on while this sure")
     parser.add_argument("--exit-layer", type=int, default=8)
     parser.add_argument(
         "--only",
@@ -192,18 +202,21 @@ def main() -> None:
                 greedy(engines[key], sets_[next(iter(sets_))][0], 4)  # the first call compiles
         return engines[key]
 
-    def engine_row(model, method="greedy", w4_draft=False, k=8, **kw):
-        """A row of ``methods.METHODS[method]`` on our engine (with a W4 copy of the model drafting)."""
+    def engine_row(model, method="greedy", w4_draft=False, k=8, head=None, **kw):
+        """A row of ``methods.METHODS[method]`` on our engine (with a W4 copy of the model drafting,
+        or an EAGLE head)."""
 
         def setup():
             engine = shared_engine(model, **kw)
             print(f"  [{engine.describe()}; {engine.step_tokens}-token verify steps]", file=sys.stderr, flush=True)
             drafter = Engine(model, quantize="w4", max_len=1024) if w4_draft else None
             run_method = METHODS[method].run
+            threshold = args.eagle_threshold if head is not None else 0.4
 
             def run(p):
                 draft = DraftModel(drafter, 0.4) if drafter is not None else None  # a fresh cache per prompt
-                return ours(run_method(engine, p, n, Settings(eos=eos, k=k, draft=draft, guesses=4)))
+                settings = Settings(eos=eos, k=k, draft=draft, guesses=4, head=head, model=model, threshold=threshold)
+                return ours(run_method(engine, p, n, settings))
 
             compiled = engine.compile_seconds or ("failed: ran eager" if kw.get("compile") and not cuda else None)
             if compiled and engine.compiled is not None and engine.compiled.built is False:
@@ -269,6 +282,17 @@ def main() -> None:
         rows["ours prompt lookup, compiled"] = engine_row(base, "prompt-lookup", compile=True, **lookup)
         rows["ours W4 self-draft + prompt lookup, compiled"] = engine_row(base, "prompt-lookup", compile=True, **both)
     rows[f"ours lookahead (W=3 N=3 G=4), {plain}"] = engine_row(base, "lookahead")
+    for folder in args.eagle:  # a head drafts up to 7 tokens: a compiled verify step has 8 rows
+        head, label = eagle_head.load_matching(folder, base.config), Path(folder).name
+        rows[f"ours EAGLE head ({label}), {plain}"] = engine_row(base, "eagle", head=head, k=7)
+        if not cuda:
+            rows[f"ours EAGLE head ({label}), compiled"] = engine_row(base, "eagle", compile=True, head=head, k=7)
+            rows[f"ours EAGLE head ({label}) + prompt lookup, compiled"] = engine_row(
+                base, "eagle-lookup", compile=True, head=head, k=7
+            )
+        if args.w4:
+            on_w4 = f"ours EAGLE head ({label}) on W4 ({Path(args.w4).name}), {how}"
+            rows[on_w4], same_as[on_w4] = engine_row(w4_model, "eagle", head=head, k=7, **w4), w4_exact
 
     def early_exit_row():
         from compress.arch import decoder_layers
