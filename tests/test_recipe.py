@@ -10,7 +10,7 @@ from tests.conftest import tiny
     [
         (
             "passes:\n  - foo: {}\n",
-            "passes[0]: unknown pass 'foo'; known passes: activations, awq, blockwise, distill, gptq, kv_cache, "
+            "passes[0]: unknown pass 'foo'; known passes: activations, awq, blockwise, distill, eagle, gptq, kv_cache, "
             "kv_fp8, lorc, lowrank, magnitude, qlora, rotate, rtn, smoothquant, sparsegpt, wanda",
         ),
         ("passes:\n  - rtn: {bits: 5}\n", "passes[0].rtn.bits: Input should be 2, 3, 4 or 8"),
