@@ -303,7 +303,8 @@ _FLOAT_NAMES = {"fp8": "FP8", "fp8_block": "FP8-block", "nvfp4": "NVFP4", "mxfp4
 
 def stores(recipe: Recipe) -> str:
     """What a recipe leaves, in the field's shorthand: weights (W4, W-NVFP4), inputs (A8, A-FP8),
-    KV cache (KV4, KV-FP8), sparsity, low rank and adapters; "dense" when it changes no weights."""
+    KV cache (KV4, KV-FP8), sparsity, low rank, adapters and draft heads; "dense" when it changes
+    nothing."""
     weights = inputs = None
     extra = []
     for p in recipe.passes:
@@ -330,6 +331,8 @@ def stores(recipe: Recipe) -> str:
             extra.append(f"rank: {o.ratio:.0%} of params")
         elif p.name in ("lorc", "qlora"):
             extra.append("+LoRA")
+        elif p.name == "eagle":
+            extra.append("+EAGLE head")
         pattern = getattr(o, "pattern", None)
         if pattern is not None:
             extra.append(pattern if ":" in pattern else f"{o.sparsity or 0.5:.0%} sparse")
