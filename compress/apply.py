@@ -163,7 +163,7 @@ def _apply(
                 f"{run.out.parent} is not on a file system every process sees, so they cannot read the export "
                 "back to evaluate it; add --no-eval and run `compress eval` on the export afterwards"
             )
-        _sweep(run, model, ids, writer, store, checkpoints if keep_blocks else None, compute)
+        _sweep(run, model, ids, writer, store, checkpoints if keep_blocks else None, compute, tokenizer)
         if not run.main:  # the other ranks' part: their share of the evaluation windows
             if eval_data is not None:
                 _evaluate(run, _shared(None), tokenizer, eval_data)
@@ -210,7 +210,7 @@ def _calibration(run: _Run, model, tokenizer, samples: int):
     return data.calibration_batches(model, tokenizer, cal.source, samples, cal.seqlen, run.seed)
 
 
-def _sweep(run: _Run, model, ids, writer, store, checkpoints, compute) -> None:
+def _sweep(run: _Run, model, ids, writer, store, checkpoints, compute, tokenizer) -> None:
     """The block sweep, each block written to the export (rank 0) as soon as it is final."""
     cal, prefix = run.recipe.calibration, model.prefix
     run_passes(
@@ -225,6 +225,7 @@ def _sweep(run: _Run, model, ids, writer, store, checkpoints, compute) -> None:
         min_expert_tokens=cal.min_expert_tokens,
         route_all_experts=cal.route_all_experts,
         compute=compute,
+        tokenizer=tokenizer,
     )
 
 

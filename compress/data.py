@@ -182,6 +182,46 @@ def _self_generated(model, tokenizer, samples: int, seqlen: int, seed: int, batc
     return torch.cat(out)
 
 
+CHAT_PROMPTS = SHIPPED / "chat-prompts.txt"
+
+
+@torch.no_grad()
+def chat_replies(model, tokenizer, count: int, max_new_tokens: int, batch: int = 16) -> list[torch.Tensor]:
+    """The model's own greedy replies to the first ``count`` shipped chat requests
+    (``calibration/chat-prompts.txt``), each the whole conversation as token ids (the chat template,
+    the request, the reply): what a draft head sees when it drafts for a chat model."""
+    from tqdm import tqdm
+
+    asks = [line for line in CHAT_PROMPTS.read_text().splitlines() if line.strip()][:count]
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError("chat replies need a tokenizer with a chat template; this one has none")
+    device = next(model.parameters()).device
+    side, tokenizer.padding_side = tokenizer.padding_side, "left"
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    out = []
+    try:
+        for start in tqdm(range(0, len(asks), batch), desc="generating chat replies", unit="batch"):
+            chats = [[{"role": "user", "content": ask}] for ask in asks[start : start + batch]]
+            enc = tokenizer.apply_chat_template(
+                chats, add_generation_prompt=True, return_tensors="pt", return_dict=True, padding=True
+            )
+            ids = model.generate(
+                **{k: v.to(device) for k, v in enc.items()},
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=pad,
+            ).cpu()
+            stops = torch.tensor(sorted({pad, tokenizer.eos_token_id} - {None}))
+            for row, mask in zip(ids, enc["attention_mask"]):
+                asked = int(mask.sum())
+                row = row[len(mask) - asked :]  # the left padding off
+                ends = torch.isin(row[asked:], stops).nonzero()
+                out.append(row[: asked + int(ends[0]) + 1] if len(ends) else row)  # up to its end of turn
+    finally:
+        tokenizer.padding_side = side
+    return out
+
+
 class SpilledList:
     """A list of tensors kept in files under ``root`` instead of in RAM (``apply --spill``): the
     calibration activations of many samples of a big model. Each tensor is written once and read

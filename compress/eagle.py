@@ -206,27 +206,27 @@ class EagleState(State, attr="eagle_head"):
         self.head, self.log = head, log
 
 
-def target_features(model, ids: torch.Tensor, batch: int = 4) -> torch.Tensor:
-    """The target's final-normed states on ``ids`` (N, T) -> (N, T, H) float32: what the head reads
-    and predicts (the input of the lm_head, taken from the final norm's output)."""
+def target_features(model, sequences) -> list[torch.Tensor]:
+    """The target's final-normed states on each sequence of token ids -> (T, H) float32 each: what
+    the head reads and predicts (the input of the lm_head, taken from the final norm's output)."""
     from .arch import arch_of
 
     out = []
     norm = model.get_submodule(arch_of(model).norm)
-    handle = norm.register_forward_hook(lambda _m, _i, o: out.append(o.detach().float().cpu()))
+    handle = norm.register_forward_hook(lambda _m, _i, o: out.append(o.detach().float().cpu()[0]))
     try:
         device = next(model.parameters()).device
         with torch.no_grad():
-            for i in range(0, len(ids), batch):
-                model(input_ids=ids[i : i + batch].to(device), use_cache=False, logits_to_keep=1)
+            for ids in sequences:
+                model(input_ids=ids.reshape(1, -1).to(device), use_cache=False, logits_to_keep=1)
     finally:
         handle.remove()
-    return torch.cat(out)
+    return out
 
 
-def frequent_tokens(ids: torch.Tensor, vocab_size: int, count: int) -> torch.Tensor:
-    """The ``count`` most frequent token ids of ``ids`` (ties by id), sorted by id."""
-    counts = torch.bincount(ids.reshape(-1), minlength=vocab_size).double()
+def frequent_tokens(sequences, vocab_size: int, count: int) -> torch.Tensor:
+    """The ``count`` most frequent token ids of the sequences (ties by id), sorted by id."""
+    counts = torch.bincount(torch.cat([s.reshape(-1) for s in sequences]), minlength=vocab_size).double()
     counts -= torch.arange(vocab_size, dtype=torch.double) / (2 * vocab_size)  # ties: the lower id first
     return counts.topk(count).indices.sort().values
 
@@ -253,7 +253,7 @@ def loss(head: EagleHead, embeds, features, rows, softcap, class_weight: float) 
 
 def train_head(
     model,
-    ids: torch.Tensor,
+    sequences,
     steps: int,
     lr: float,
     batch: int,
@@ -262,13 +262,15 @@ def train_head(
     seed: int = 0,
     progress: bool = True,
 ) -> tuple[EagleHead, dict]:
-    """A head for ``model`` trained on its own states over the calibration ``ids`` (N, T)."""
+    """A head for ``model`` trained on its own states over ``sequences`` of token ids (the rows of
+    the calibration ids, and replies the model wrote)."""
     from .recovery import train
 
+    sequences = [s.reshape(-1) for s in sequences if s.numel() > 2]
     device = next(model.parameters()).device
-    features = target_features(model, ids)
+    features = target_features(model, sequences)
     config = HeadConfig.for_target(model.config, draft_vocab)
-    head = EagleHead(config, frequent_tokens(ids, config.vocab_size, config.draft_vocab))
+    head = EagleHead(config, frequent_tokens(sequences, config.vocab_size, config.draft_vocab))
     generator = torch.Generator().manual_seed(seed)
     head.initialize(generator)
     head.to(device)
@@ -276,10 +278,10 @@ def train_head(
     embeds = model.get_input_embeddings()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     with torch.no_grad():
-        embedded = torch.cat([embeds(ids[i : i + 8].to(device)).float().cpu() for i in range(0, len(ids), 8)])
+        embedded = [embeds(s.to(device)).float().cpu() for s in sequences]
 
     def loss_of(_step: int) -> torch.Tensor:
-        chosen = torch.randint(len(ids), (batch,), generator=generator).tolist()
+        chosen = torch.randint(len(sequences), (batch,), generator=generator).tolist()
         return (
             sum(loss(head, embedded[i].to(device), features[i].to(device), rows, softcap, class_weight) for i in chosen)
             / batch
@@ -287,7 +289,7 @@ def train_head(
 
     log = train(_Params(head), loss_of, steps, lr, lr, "eagle head", progress=progress)
     head.eval().requires_grad_(False).cpu()
-    log["tokens"] = int(ids.numel())
+    log["tokens"] = sum(s.numel() for s in sequences)
     return head, log
 
 

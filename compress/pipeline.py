@@ -443,10 +443,12 @@ def run_passes(
     min_expert_tokens: int = MIN_EXPERT_TOKENS,
     route_all_experts: bool = False,
     compute: torch.dtype | None = None,
+    tokenizer=None,
 ) -> torch.nn.Module | None:
     """The block sweep over the layer-passes, then the model passes (recovery training), which
     train the whole model (``model.load_all()`` first) against the original model from
-    ``load_teacher()`` (where one needs it); returns that teacher, if loaded. ``on_block`` sees each block once final;
+    ``load_teacher()`` (where one needs it), and the ``tokenizer`` (a draft head generates chat
+    replies to train on); returns that teacher, if loaded. ``on_block`` sees each block once final;
     ``store``, ``checkpoints``, ``compute``: see ``run_sequential`` (a resumed run trains again from
     the start)."""
     from .passes import ModelPass
@@ -458,7 +460,7 @@ def run_passes(
     layer_passes = [p for p in passes if not isinstance(p, ModelPass)]
     run_sequential(
         model,
-        ids,
+        ids if layer_passes else None,  # only model passes (a draft head): no block runs over the data
         layer_passes,
         device,
         None if model_passes else on_block,
@@ -475,7 +477,7 @@ def run_passes(
     for p in layer_passes if teacher is not None else []:  # the teacher as the student was: rotated too
         p.prepare(streamed(teacher))
     for p in model_passes:
-        p.apply_model(model.model, teacher, ids, device)
+        p.apply_model(model.model, teacher, ids, device, tokenizer)
     if on_block is not None:
         for i in range(len(model)):
             with model.block(i) as block:

@@ -71,7 +71,7 @@ OPEN = [
 
 # Other requests, whose greedy outputs can fill a prompt-lookup datastore (replay_prompt_lookup.py);
 # none opens with the first three words of an OPEN prompt.
-STORE_PROMPTS = Path(__file__).with_name("datastore_prompts.txt")
+STORE_PROMPTS = Path(__file__).resolve().parent.parent / "calibration" / "chat-prompts.txt"
 
 
 def chat(tokenizer, text: str) -> torch.Tensor:

@@ -58,7 +58,7 @@ def test_greedy_eagle_is_token_identical_to_greedy_and_reads_the_targets_states(
         held = len(draft.states)
         assert draft.seen == context[:held] and held >= len(context) - 6  # all but the last step's
         torch.testing.assert_close(
-            draft.states, target_features(model, torch.tensor([context]))[0, :held], atol=1e-5, rtol=1e-5
+            draft.states, target_features(model, [torch.tensor(context)])[0][:held], atol=1e-5, rtol=1e-5
         )
 
 

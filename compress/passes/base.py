@@ -138,7 +138,7 @@ class ModelPass(LayerPass):
         raise TypeError(f"{self.where} is a model pass; the pipeline calls apply_model")
 
     def apply_model(
-        self, model: torch.nn.Module, teacher: torch.nn.Module, ids: torch.Tensor, device: torch.device
+        self, model: torch.nn.Module, teacher: torch.nn.Module, ids: torch.Tensor, device: torch.device, tokenizer=None
     ) -> None:
         raise NotImplementedError
 

@@ -80,7 +80,7 @@ class Distill(ModelPass):
     def trainables(self, model) -> Trainables:
         return Trainables(model, self.linears(model), self.options.train, self.dtype, seed=torch.initial_seed())
 
-    def apply_model(self, model, teacher, ids, device) -> None:
+    def apply_model(self, model, teacher, ids, device, tokenizer=None) -> None:
         o = self.options
         home = next(model.parameters()).device
         for_compute(model, device)

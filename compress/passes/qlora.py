@@ -83,7 +83,7 @@ class QLoRA(Distill):
             seed=torch.initial_seed(),
         )
 
-    def apply_model(self, model, teacher, ids, device) -> None:
+    def apply_model(self, model, teacher, ids, device, tokenizer=None) -> None:
         if self.options.base == "nf4":
             for lin in self.linears(model).values():
                 round_4bit(lin, self.dtype)
