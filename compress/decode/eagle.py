@@ -24,9 +24,10 @@ class EagleDraft:
     def __init__(self, head: EagleHead, model, runner, threshold: float = 0.1, sampling: Sampling = Sampling()):
         if (why := head.config.problem(model.config)) is not None:
             raise DecodeError(f"this EAGLE head was trained for another model: it has {why}")
+        embed = model.get_input_embeddings()
+        head = head.to(embed.weight.device)  # (a head loads on the CPU; the target may be on a GPU)
         self.head, self.runner, self.threshold, self.sampling = head, runner, threshold, sampling
         self.dtype = head.fc.weight.dtype
-        embed = model.get_input_embeddings()
         self.embed_table = embed.weight.detach().to(self.dtype)
         self.embed_scale = float(getattr(embed, "scalar_embed_scale", 1.0))
         self.rows = (
@@ -36,7 +37,7 @@ class EagleDraft:
         self.vocab = model.config.vocab_size
         self.cache = HeadCache()
         self.seen: list[int] = []  # the context whose target states the head has: pairs 0..len - 2 cached
-        self.states = torch.empty(0, head.config.hidden_size, dtype=self.dtype)
+        self.states = torch.empty(0, head.config.hidden_size, dtype=self.dtype, device=embed.weight.device)
         self.generator = torch.Generator().manual_seed(sampling.seed + 1)
         if hasattr(runner, "track_features"):
             runner.track_features = True
