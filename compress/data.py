@@ -205,10 +205,11 @@ def chat_replies(model, tokenizer, count: int, max_new_tokens: int, batch: int =
             enc = tokenizer.apply_chat_template(
                 chats, add_generation_prompt=True, return_tensors="pt", return_dict=True, padding=True
             )
+            context = getattr(model.config, "max_position_embeddings", None) or 1 << 30
             ids = model.generate(
                 **{k: v.to(device) for k, v in enc.items()},
                 do_sample=False,
-                max_new_tokens=max_new_tokens,
+                max_new_tokens=max(1, min(max_new_tokens, context - enc["input_ids"].shape[1])),
                 pad_token_id=pad,
             ).cpu()
             stops = torch.tensor(sorted({pad, tokenizer.eos_token_id} - {None}))
