@@ -209,7 +209,7 @@ def build_parser(commands: dict) -> argparse.ArgumentParser:
     p.add_argument(
         "--draft-head",
         metavar="FOLDER",
-        help="eagle, eagle-lookup: the EAGLE head (an export holding eagle/, or that folder; "
+        help="eagle, eagle-tree, eagle-lookup: the EAGLE head (an export holding eagle/, or that folder; "
         "default: the one saved with the model, by the eagle pass)",
     )
     p.add_argument(

@@ -286,7 +286,7 @@ def _decode(args) -> None:
     if method.head:
         settings.head = _draft_head(args, model)
     elif args.draft_head:
-        raise decode.DecodeError(f"--draft-head is for --method eagle or eagle-lookup, not {args.method}")
+        raise decode.DecodeError(f"--draft-head is for --method eagle, eagle-tree or eagle-lookup, not {args.method}")
     # every method runs on the engine (KIVI caches too); a lossy lm_head for the target only
     target = engine(model, lm_head=None if args.lm_head == "exact" else args.lm_head)
     settings.draft = _draft(args, model, tokenizer, device, engine, sampling)
@@ -351,10 +351,10 @@ def _decode_device(args):
             "x86 CPU with AVX2 and FMA, a C++ compiler, and COMPRESS_NATIVE unset); "
             "use --kernel auto"
         )
-    if device.type == "cuda" and args.method == "lookahead":  # docs/results.md, the CUDA section
+    if device.type == "cuda" and args.method in ("lookahead", "eagle-tree"):  # docs/results.md, the CUDA section
         print(
-            "[decode: on CUDA, lookahead's tree steps run without CUDA graphs and round unlike them: slower than "
-            "--method greedy there, and its output can differ from greedy's at near-ties]",
+            f"[decode: on CUDA, {args.method}'s tree steps run without CUDA graphs and round unlike them: slower "
+            "there, and its output can differ from greedy's at near-ties]",
             file=sys.stderr,
         )
     return device

@@ -166,10 +166,17 @@ class EagleHead(nn.Module):
         return angles.cos(), angles.sin()
 
     def forward(
-        self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, cache: HeadCache | None = None
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        cache: HeadCache | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Rows are pairs (embedding of token t + 1, state at t) at ``positions`` t; with ``cache``
-        they follow its rows (drafting), else they are one causal sequence (training)."""
+        they follow its rows (drafting), else they are one causal sequence (training). ``allowed``
+        (rows, cached rows + rows): which rows each attends to, in place of causal order (a tree's
+        nodes see their ancestors only)."""
         c, layer = self.config, self.layers[0]
         dtype = self.fc.weight.dtype
         x = self.fc(torch.cat([embeds.to(dtype), features.to(dtype)], -1))
@@ -185,10 +192,11 @@ class EagleHead(nn.Module):
         else:
             past = cache.length
             keys, values = cache.append(k, v)
-            allowed = (
-                torch.arange(past + count, device=x.device)[None]
-                <= past + torch.arange(count, device=x.device)[:, None]
-            )
+            if allowed is None:
+                allowed = (
+                    torch.arange(past + count, device=x.device)[None]
+                    <= past + torch.arange(count, device=x.device)[:, None]
+                )
             attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=True)
         x = x + a.o_proj(attn.transpose(0, 1).reshape(count, -1))
         h = layer.post_attention_layernorm(x)

@@ -93,6 +93,62 @@ def test_sampled_eagle_proposes_a_distribution_over_its_vocabulary_and_is_reprod
     assert a == b
 
 
+def test_tree_eagle_is_token_identical_to_greedy_and_accepts_more_than_its_chain(trained):
+    from compress.decode.methods import METHODS, Settings
+
+    model_type, model, head, _ = trained
+    prompt = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(1))
+    plain = greedy(model, prompt, 40).tokens
+    settings = Settings(head=head, model=model, threshold=0.0, k=6)
+    targets = {"engine": Engine(model, kernel="fp32", max_len=256)} | (
+        {"transformers": model} if model_type == "llama" else {}
+    )
+    for name, target in targets.items():
+        tree = METHODS["eagle-tree"].run(target, prompt, 40, settings)
+        assert tree.tokens == plain, name
+        chain = METHODS["eagle"].run(target, prompt, 40, Settings(head=head, model=model, threshold=0.0, k=6))
+        assert tree.accepted >= chain.accepted > 0, name  # the chain is one of the tree's paths
+    sampled = Settings(head=head, model=model, k=6, sampling=Sampling(temperature=0.8, seed=4))
+    engines = [Engine(model, kernel="fp32", max_len=256) for _ in range(2)]
+    a, b = (METHODS["eagle-tree"].run(e, prompt, 24, sampled).tokens for e in engines)
+    assert a == b and len(a) == 24
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma3_text"])
+def test_a_tree_step_gives_each_node_the_logits_of_its_path_decoded_in_order(model_type):
+    from compress.decode.tree import TokenTree, tree_runner
+
+    model = tiny(model_type, layers=2)
+    prompt = torch.randint(0, 128, (9,), generator=torch.Generator().manual_seed(6))  # Gemma's window: 8
+    tree = TokenTree([5, 11, 12, 13, 14, 15, 16], [-1, 0, 0, 1, 1, 2, 3])  # two levels of branching
+    makers = [(1e-5, lambda: Engine(model, kernel="fp32", max_len=64))]
+    makers += [(1e-4, lambda: model)] if model_type == "llama" else []  # (transformers' window cache: no tree)
+    for tolerance, make in makers:
+        runner, _, _ = tree_runner(make())
+        runner.forward(prompt)
+        logits = runner.forward_tree(tree.tokens, tree.depths, tree.visible)
+        for node in range(len(tree.tokens)):
+            path = [node]
+            while tree.parents[path[-1]] >= 0:
+                path.append(tree.parents[path[-1]])
+            sequential, _, _ = tree_runner(make())
+            sequential.forward(prompt)
+            for n in reversed(path):
+                last = sequential.forward([tree.tokens[n]])[-1]
+            torch.testing.assert_close(logits[node], last, atol=tolerance, rtol=tolerance)
+
+
+def test_a_tree_larger_than_the_engines_exact_step_is_refused(trained):
+    from compress.decode.loop import DecodeError
+    from compress.decode.methods import METHODS, Settings
+
+    _, model, head, _ = trained
+    with pytest.raises(DecodeError, match="larger than the 16 tokens this engine's step scores exactly: give --k 15"):
+        METHODS["eagle-tree"].run(
+            Engine(model, kernel="fp32"), torch.tensor([[1, 2]]), 8, Settings(head=head, model=model, k=16)
+        )
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, smollm2):
     root = tmp_path_factory.mktemp("eagle")

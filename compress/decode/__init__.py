@@ -6,6 +6,8 @@
 - ``loop``: greedy decoding and ``speculate`` (greedy acceptance, the rejection rule).
 - ``prompt_lookup``, ``datastore``: candidates copied from the context or earlier outputs.
 - ``draft``: a draft model, a compressed copy of the target, or a subset of its layers.
+- ``tree``: token trees verified in one step (lookahead's guesses, an EAGLE head's drafts).
+- ``eagle``: an EAGLE head drafting from the target's own states, as a chain or a tree.
 - ``lookahead``: Jacobi guesses and an n-gram pool in one forward (Fu et al. 2024).
 - ``early_exit``: CALM's confidence-based early exit (lossy).
 """

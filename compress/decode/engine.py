@@ -282,15 +282,16 @@ class Engine:
         static: bool = False,
         exit_when=None,
         cache=None,
-        tree: list[torch.Tensor] | None = None,
+        tree: dict[int | None, list[torch.Tensor]] | None = None,
     ) -> torch.Tensor:
         """The decoder blocks over new tokens at ``positions``, attending to cache slots ``[0, span)``;
         ``static``: every token under a mask (the span may run past the tokens), no value read
         back to the host, and matmuls over all rows at once (fixed shapes, for a CUDA graph or a
         compiled step). ``exit_when``: see
         ``forward``. ``cache``: (keys, values, rotary tables) in place of the engine's own (for
-        the compiled step, which takes them as inputs). ``tree``: per token, the cache slots it attends to
-        (lookahead's tree step; its keys and values then go to the slots after the cache's tokens)."""
+        the compiled step, which takes them as inputs). ``tree``: per sliding window (None: none), per
+        token, the cache slots it attends to (a tree step, ``tree.EngineTree``; its keys and values
+        then go to the slots after the cache's tokens)."""
         k_caches, v_caches, tables = cache or (self.cache.k, self.cache.v, self.cache.rotary)
         x = F.embedding(ids, self.embed).to(self.dtype)
         if self.embed_scale != 1.0:
@@ -319,7 +320,7 @@ class Engine:
             if exited is not None:  # after an early exit a layer only writes its keys and values
                 continue
             if tree is not None:
-                attn = self.attention.tree(q, k_cache[0], v_cache[0], tree)
+                attn = self.attention.tree(q, k_cache[0], v_cache[0], tree[layer.window])
             else:
                 keys, values = k_cache[0, :, :span], v_cache[0, :, :span]
                 attn = self.attention(q, keys, values, masks[layer.window], layer.window, positions, static)

@@ -25,11 +25,9 @@ import time
 from collections import OrderedDict
 
 import torch
-from transformers import DynamicCache
 
-from . import kernels
-from .engine import Engine
-from .loop import DecodeError, DecodeResult, Sampling, device_of, emit, forward_logits, sync, with_cache
+from .loop import DecodeError, DecodeResult, Sampling, emit, sync
+from .tree import pick, tree_runner
 
 
 class NgramPool:
@@ -74,92 +72,6 @@ def _layout(rows: int, window: int, candidates: list[int]) -> tuple[torch.Tensor
     return torch.tensor(offsets), mask
 
 
-class _EngineTree:
-    """What lookahead needs of a runner (``forward``, ``forward_tree``, ``keep``, ``length``,
-    ``device``) on the decode engine."""
-
-    def __init__(self, engine):
-        self.engine, self.device, self.forward = engine, engine.device, engine.forward
-        engine.reset()
-
-    @property
-    def length(self) -> int:
-        return self.engine.length
-
-    @torch.no_grad()
-    def forward_tree(self, ids: list[int], offsets: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of tokens that are not one sequence (the window and the candidates):
-        token ``i`` sits at position ``length + offsets[i]`` and sees the cache and the new tokens
-        ``visible[i]`` marks. Their keys and values take the next ``len(ids)`` slots (``keep`` then
-        keeps the accepted ones). Each token attends over exactly the slots it sees, gathered in
-        order, and the matmuls run as in verify steps (up to ``kernels.VERIFY_ROWS`` tokens), so a
-        token that sees its prefix gets the logits a one-token step gives it. Eager, also on a
-        compiled engine."""
-        engine = self.engine
-        ids = torch.as_tensor(ids, device=self.device).reshape(-1)
-        count = ids.numel()
-        start = engine.cache.make_room(count)
-        prefix = torch.arange(start, device=self.device)
-        seen = [torch.cat([prefix, start + row.nonzero()[:, 0].to(self.device)]) for row in visible]
-        positions = start + torch.as_tensor(offsets, device=self.device)
-        logits = engine.logits(engine.body(ids, positions, start + count, tree=seen))
-        engine.cache.length = start + count
-        return logits
-
-    def keep(self, length: int, extra: list[int]) -> None:
-        """Keep the first ``length`` cached tokens and those at slots ``extra`` (``KVCache.keep``)."""
-        self.engine.cache.keep(length, extra)
-
-
-class _TransformersTree:
-    """What lookahead needs of a runner (as ``_EngineTree``) for a transformers model and its
-    dynamic cache, and its sliding window."""
-
-    def __init__(self, model):
-        self.model, self.device = model, device_of(model)
-        self.cache = DynamicCache(config=model.config)
-        self.window = min((getattr(layer, "sliding_window", None) or 1 << 62) for layer in self.cache.layers)
-
-    @property
-    def length(self) -> int:
-        return self.cache.get_seq_length()
-
-    def forward(self, ids: torch.Tensor, all_logits: bool = True) -> torch.Tensor:
-        return forward_logits(self.model, ids, self.cache, all_logits)
-
-    def forward_tree(self, ids: list[int], offsets: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
-        t, dtype = self.length, next(self.model.parameters()).dtype
-        mask = torch.cat([torch.ones(len(ids), t, dtype=torch.bool), visible], 1)
-        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, torch.finfo(dtype).min)
-        out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),
-            position_ids=(t + offsets).unsqueeze(0).to(self.device),
-            attention_mask=mask[None, None].to(self.device),
-            **with_cache(self.model, self.cache),
-            use_cache=True,
-        )
-        return out.logits[0].float()
-
-    def keep(self, length: int, extra: list[int]) -> None:
-        """Cut every cache layer back to its first ``length`` entries plus the entries at ``extra``."""
-        for layer in self.cache.layers:
-            index = torch.tensor(extra, device=layer.keys.device, dtype=torch.long)
-            layer.keys = torch.cat([layer.keys[:, :, :length], layer.keys.index_select(2, index)], 2)
-            layer.values = torch.cat([layer.values[:, :, :length], layer.values.index_select(2, index)], 2)
-            if hasattr(layer, "cumulative_length"):
-                layer.cumulative_length = layer.keys.shape[-2]
-
-
-def _tree_runner(model):
-    """The engine itself (reset), or a transformers model wrapped; with the sliding window it must
-    stay inside and the most tokens a step may hold and still score its candidates exactly."""
-    if isinstance(model, Engine):
-        windows = [layer.window for layer in model.layers if layer.window]
-        return _EngineTree(model), min(windows, default=1 << 62), kernels.VERIFY_ROWS
-    runner = _TransformersTree(model)
-    return runner, runner.window, 1 << 62
-
-
 def accept_candidates(
     candidates: list[list[int]], begins: list[int], logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
 ) -> tuple[int | None, int, int]:
@@ -176,18 +88,7 @@ def accept_candidates(
     alive, n, row = list(range(len(candidates))), 0, 0
     while True:
         offered = [i for i in alive if len(candidates[i]) > n]
-        if sampling.greedy:
-            token = int(logits[row].argmax())
-        else:
-            p, token = sampling.probs(logits[row]).cpu(), None
-            for tok in dict.fromkeys(candidates[i][n] for i in offered):
-                if torch.rand((), generator=generator).item() < p[tok].item() or p[tok] >= p.sum():
-                    token = tok
-                    break
-                p[tok] = 0
-                p /= p.sum()
-            if token is None:
-                token = int(torch.multinomial(p, 1, generator=generator))
+        token = pick(logits[row], list(dict.fromkeys(candidates[i][n] for i in offered)), sampling, generator)
         kept = [i for i in offered if candidates[i][n] == token]
         if not kept:
             return (alive[0] if n else None), n, token
@@ -215,7 +116,7 @@ def lookahead(
     shape asks for more (``extra["guesses"]`` says how many)."""
     if window < 1 or ngram < 2 or guesses < 0:
         raise DecodeError("lookahead needs --window ≥ 1, --ngram ≥ 2 and --guesses ≥ 0")
-    runner, limit, most_rows = _tree_runner(model)
+    runner, limit, most_rows = tree_runner(model)
     guesses = max(0, min(guesses, (most_rows - 1) // (ngram - 1) - window))
     if 1 + window * (ngram - 1) > most_rows:
         raise DecodeError(

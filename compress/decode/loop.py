@@ -141,8 +141,12 @@ class HFRunner:
         self.cache = cache if cache is not None else DynamicCache(config=self.model.config)
 
     def forward(self, ids: list[int] | torch.Tensor, all_logits: bool = True) -> torch.Tensor:
+        return self.tracking(lambda: forward_logits(self.model, ids, self.cache, all_logits))
+
+    def tracking(self, run: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``run()``'s logits; with ``track_features``, the final norm's output of its rows kept too."""
         if not self.track_features:
-            return forward_logits(self.model, ids, self.cache, all_logits)
+            return run()
         from ..arch import arch_of
 
         captured = []
@@ -150,7 +154,7 @@ class HFRunner:
         handle = norm.register_forward_hook(lambda _m, _i, out: captured.append(out))
         self.features_start = self.cache.get_seq_length()
         try:
-            logits = forward_logits(self.model, ids, self.cache, all_logits)
+            logits = run()
         finally:
             handle.remove()
         self.features = captured[-1][0]

@@ -4,10 +4,10 @@
 A method runs a target (an ``Engine`` or a transformers model) from a prompt with ``Settings``;
 its traits say what it may be combined with, so the command line refuses a bad combination from
 the table instead of a branch per method. Every method but early exit is a proposer on the one
-propose–verify loop (``loop.speculate``) or plain greedy. Lookahead verifies a tree of guesses
-and early exit changes the target's forward itself, so each keeps a loop of its own
-(``lookahead.lookahead``, ``early_exit.early_exit_greedy``): neither is a list of candidates that
-``speculate`` could verify.
+propose–verify loop (``loop.speculate``) or plain greedy. Token trees (``eagle-tree``, and
+lookahead's guesses) are verified by ``tree.speculate_tree`` and lookahead's own loop, and early
+exit changes the target's forward itself (``early_exit.early_exit_greedy``): none is a list of
+candidates that ``speculate`` could verify.
 """
 
 from __future__ import annotations
@@ -89,11 +89,16 @@ def _draft(target, prompt, n, s: Settings) -> DecodeResult:
     return speculate(target, prompt, n, s.draft, s.k, s.sampling, s.eos)
 
 
-def _eagle(target, prompt, n, s: Settings, lookup: bool = False) -> DecodeResult:
+def _eagle(target, prompt, n, s: Settings, lookup: bool = False, tree: bool = False) -> DecodeResult:
     from .eagle import EagleDraft
+    from .tree import speculate_tree, tree_runner
 
     if s.head is None or s.model is None:
         raise DecodeError("--method eagle drafts with a trained head: give it and the transformers model")
+    if tree:
+        runner, window, rows = tree_runner(target)
+        proposer = EagleDraft(s.head, s.model, runner, s.threshold, s.sampling)
+        return speculate_tree(runner, prompt, n, proposer, s.k, s.sampling, s.eos, (window, rows))
     runner = runner_for(target)
     proposer = EagleDraft(s.head, s.model, runner, s.threshold, s.sampling)
     if lookup:
@@ -143,6 +148,12 @@ METHODS = {
         Method("draft", _draft, "a smaller model (or the target rounded to 4 bits) drafts", draft="required"),
         Method("self-spec", _self_spec, "a subset of the target's own layers drafts"),
         Method("eagle", _eagle, "a trained EAGLE head drafts from the target's own states", head=True),
+        Method(
+            "eagle-tree",
+            lambda target, prompt, n, s: _eagle(target, prompt, n, s, tree=True),
+            "the EAGLE head drafts a tree of --k tokens (EAGLE-2's likeliest paths), verified in one step",
+            head=True,
+        ),
         Method(
             "eagle-lookup",
             lambda target, prompt, n, s: _eagle(target, prompt, n, s, lookup=True),
