@@ -12,18 +12,24 @@ llama.cpp falls back to, as in its own files), counted as the file stores them; 
 name a k-quant file type (``target_bpw: q4_k_m``): the bits llama.cpp's own mix of that name gives
 these linears, so the file comes out the size of llama.cpp's.
 
-Cost (``measure: fisher``): the increase of the calibration loss that a second-order expansion
+Cost (``measure: fisher``): the KL to the dense model's predictions that a second-order expansion
 predicts when linear ``l`` alone is rounded to candidate ``c``, with the Fisher information of the
-linear's outputs (squared gradients, averaged over tokens, per output channel) standing in for the
-Hessian of the loss:
+linear's outputs standing in for the Hessian, token by token:
 
-    cost(l, c) = ½ Σ_o F_o · ΔW_o H ΔW_oᵀ,   ΔW = RTN_c(W) − W,   H = mean_t x_t x_tᵀ
+    cost(l, c) = ½ mean_t Σ_o g_to² (ΔW x_t)_o²,   ΔW = RTN_c(W) − W
 
-in nats per calibration token. Unlike a block's output error, it weighs every layer in the same
-unit (the model's loss), so layers are comparable; unlike measuring the model's KL with each layer
-rounded in turn (layers × candidates forwards), it costs one streamed forward and backward over
-a few calibration samples plus one quadratic form per layer and candidate. ΔW is round to
-nearest: GPTQ lowers every candidate's error, but the ranking between layers is what counts.
+in nats per calibration token, where x_t is the linear's input at token t and g_t the gradient at
+its output of the log-likelihood of labels drawn from the model's own predictions (the Fisher of
+those is the KL's Hessian; real labels' gradients share a mean that adds up over every later
+position a state reaches, which overrated the early layers of Gemma-3 by tens of times). Kept
+per token, not as F_o · ΔW_o H ΔW_oᵀ with F and H averaged apart: the tokens with the largest
+inputs (an attention sink's, a massive activation's) are not those with the largest gradients,
+and the product of averages overrated some down and value projections by over ten times. Unlike
+a block's output error, it weighs every layer in the same unit, so layers are comparable; unlike
+measuring the model's KL with each layer rounded in turn (layers × candidates forwards), it costs
+one streamed forward and backward over a few calibration samples plus, per linear and sample, one
+matmul of its inputs by every candidate's error. ΔW is round to nearest: GPTQ lowers every
+candidate's error, but the ranking between layers is what counts.
 
 Choice: an exact multiple-choice knapsack by dynamic programming over the layers' sizes in bits
 (their greatest common divisor as the unit; sizes rounded up to a coarser unit when the budget
@@ -107,7 +113,7 @@ class Allocation:
     budget_bpw: float  # the budget in bits per weight
     choice: dict[str, str]  # linear -> candidate (a GGUF export: the type written, fallbacks included)
     bits_per_weight: float  # of the choice, as stored
-    predicted_nll: float  # the summed costs: predicted increase of the calibration NLL, nats per token
+    predicted_kl: float  # the summed costs: the predicted KL to the dense model, nats per token
     measure_s: float  # seconds spent measuring the costs (0 when read from the cache)
     counts: dict[str, int] = field(default_factory=dict)  # candidate -> linears given it
 
@@ -115,7 +121,7 @@ class Allocation:
         mix = ", ".join(f"{c} ×{n}" for c, n in sorted(self.counts.items(), key=lambda kv: _order(kv[0])))
         return (
             f"{self.bits_per_weight:.3f} bits per weight for a budget of {self._budget()}: {mix}; "
-            f"predicted calibration NLL +{self.predicted_nll:.4f} nats/token"
+            f"predicted KL to the dense model {self.predicted_kl:.4f} nats/token"
         )
 
     def _budget(self) -> str:
@@ -128,7 +134,7 @@ class Allocation:
             "target_bpw": self.target_bpw,
             "budget_bpw": self.budget_bpw,
             "bits_per_weight": self.bits_per_weight,
-            "predicted_nll": self.predicted_nll,
+            "predicted_kl": self.predicted_kl,
             "measure_s": self.measure_s,
             "counts": self.counts,
             "choice": self.choice,
@@ -303,26 +309,30 @@ def _first(out):
     return out[0] if isinstance(out, tuple) else out
 
 
-def _backward(block, linears: dict, shares: dict, inputs: list, grads: list, call: tuple):
-    """The block run forward and back on each sample: per linear the sum of its inputs' outer
-    products (``H``; one for the linears that read one input, ``shares`` naming whose) and of its
-    outputs' squared gradients per channel (``F``); and the gradients at the block's inputs, for
-    the block before."""
+def _backward(block, errors: dict, inputs: list, grads: list, call: tuple, costs: dict) -> list:
+    """The block run forward and back on each sample, adding to ``costs[linear][candidate]``
+    ½ Σ_t Σ_o g_to² (ΔW x_t)_o² for each linear's input rows x_t, output gradients g_t and each
+    candidate's rounding error ΔW (``errors``: linear -> (module, candidates, their errors stacked
+    as rows)); returns the gradients at the block's inputs, for the block before."""
     args, kwargs = call
-    device = inputs[0].device
-    H = {n: torch.zeros(m.in_features, m.in_features, device=device) for n, m in linears.items() if shares[n] == n}
-    F = {n: torch.zeros(lin.out_features, device=device) for n, lin in linears.items()}
 
     def hook(name):
-        def fn(module, module_args, out):
-            if name in H:
-                x = module_args[0].detach().reshape(-1, module.in_features).float()
-                H[name].addmm_(x.T, x)
-            out.register_hook(lambda g: _add_squares(F[name], g))
+        module, labels, stacked = errors[name]
+
+        def fn(_module, module_args, out):
+            x = module_args[0].detach().reshape(-1, module.in_features).float()
+
+            def on_grad(g):  # returns None: the gradient flows on unchanged
+                g2 = g.detach().reshape(-1, module.out_features).float().pow(2)
+                dy2 = (x @ stacked.T).pow_(2).reshape(x.shape[0], len(labels), module.out_features)
+                for c, total in zip(labels, (dy2 * g2[:, None]).sum((0, 2)).tolist()):
+                    costs[name][c] += 0.5 * total
+
+            out.register_hook(on_grad)
 
         return fn
 
-    handles = [lin.register_forward_hook(hook(n)) for n, lin in linears.items()]
+    handles = [errors[n][0].register_forward_hook(hook(n)) for n in errors]
     before = []
     try:
         with torch.enable_grad():
@@ -332,19 +342,14 @@ def _backward(block, linears: dict, shares: dict, inputs: list, grads: list, cal
     finally:
         for h in handles:
             h.remove()
-    return {n: H[shares[n]] for n in linears}, F, before
-
-
-def _add_squares(total: torch.Tensor, grad: torch.Tensor) -> None:
-    """A gradient hook: adds each output channel's squared gradients (returns None: the gradient is kept)."""
-    total.add_(grad.reshape(-1, total.shape[0]).float().pow(2).sum(0))
+    return before
 
 
 @torch.no_grad()
-def _cost(weight: torch.Tensor, H: torch.Tensor, F: torch.Tensor, scheme: QuantScheme, storage) -> float:
+def _errors(weight: torch.Tensor, schemes: dict[str, QuantScheme], storage) -> torch.Tensor:
+    """Each candidate's round-to-nearest error of ``weight``, stacked as rows (candidates × out, in)."""
     w = weight.float()
-    dw = quantize_weight(w, scheme, storage).dequantized().float() - w
-    return 0.5 * float((F * ((dw @ H) * dw).sum(1)).sum())
+    return torch.cat([quantize_weight(w, s, storage).dequantized().float() - w for s in schemes.values()])
 
 
 def measure(
@@ -371,15 +376,17 @@ def measure(
     norm = model.model.get_submodule(arch.norm)
     logits_of = output_logits(model.model)[0]
     tokens = ids.shape[0] * (ids.shape[1] - 1)
-    grads = []
+    grads, draw = [], torch.Generator(device=device).manual_seed(0)
     norm_home = next(norm.parameters()).device
     cast_params(norm, device, compute)
     try:
         with head_on_device(model.model, device), torch.enable_grad():
-            for n, h in enumerate(hidden):
+            for h in hidden:
                 h = h.detach().requires_grad_()
-                logits = logits_of(norm(h))[0, :-1]
-                loss = torch.nn.functional.cross_entropy(logits, ids[n, 1:].to(device), reduction="sum")
+                logits = logits_of(norm(h))[0, :-1].float()
+                # labels drawn from the model itself: its Fisher is the KL's Hessian (module docstring)
+                labels = torch.multinomial(logits.detach().softmax(-1), 1, generator=draw)[:, 0]
+                loss = torch.nn.functional.cross_entropy(logits, labels, reduction="sum")
                 grads.append(torch.autograd.grad(loss, h)[0])
     finally:
         cast_params(norm, norm_home, storage)
@@ -391,14 +398,11 @@ def measure(
             home = next(block.parameters()).device
             cast_params(block, device, compute)
             mine = {n: block.get_submodule(n[len(prefix) :]) for n in options if n.startswith(prefix)}
-            shares = {n: n for n in mine}
-            for group in arch.groups:  # q/k/v, gate/up: one input, one H
-                present = [prefix + g for g in group if prefix + g in mine]
-                shares |= dict.fromkeys(present, present[0]) if present else {}
-            H, F, grads = _backward(block, mine, shares, inputs[i], grads, calls[i])
-            for n, lin in mine.items():
-                h, f = H[n] / tokens, F[n] / tokens
-                costs[n] = {c: _cost(lin.weight, h, f, s, storage) for c, s in options[n].items()}
+            errors = {n: (lin, list(options[n]), _errors(lin.weight, options[n], storage)) for n, lin in mine.items()}
+            summed = {n: dict.fromkeys(options[n], 0.0) for n in mine}
+            grads = _backward(block, errors, inputs[i], grads, calls[i], summed)
+            costs |= {n: {c: total / tokens for c, total in summed[n].items()} for n in summed}
+            del errors
             cast_params(block, home, storage)
         inputs[i] = None
     return costs

@@ -126,8 +126,10 @@ def plan(
         plan.allocate["allocation: every block's inputs"] = len(model) * tokens * hidden * f32
         plan.allocate["allocation: gradients and outputs"] = 3 * tokens * hidden * f32
         plan.allocate["allocation: one sample's logits"] = 3 * cal_seqlen * cfg.vocab_size * f32
-        plan.allocate["allocation: one block and its statistics"] = n_block * (stored + 2 * f32) + sum(
-            m.in_features**2 * f32 for m in linears
+        candidates = 9  # allocate.DEFAULT_CANDIDATES; GGUF exports offer 5
+        plan.allocate["allocation: one block and its rounding errors"] = n_block * (stored + f32 + candidates * f32)
+        plan.allocate["allocation: one sample's inputs and output errors"] = (
+            cal_seqlen * f32 * sum(m.in_features + candidates * m.out_features for m in linears)
         )
     if any(getattr(p, "learned", False) for p in passes):  # rotate: {kind: learned}
         n_all = n_block * len(model) + n_outside

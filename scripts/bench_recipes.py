@@ -159,7 +159,7 @@ def main() -> None:
             runs += [(recipe, budget) for recipe in args.recipes for budget in args.target_bpw or []]
             for recipe, budget in runs:
                 for seed in range(args.seeds) if args.seeds > 1 else [None]:
-                    name = f"{model}-{Path(recipe).stem}" + (f"-{budget}bpw" if budget else "")
+                    name = f"{model}-{Path(recipe).name.removesuffix('.yaml')}" + (f"-{budget}bpw" if budget else "")
                     name += f"-seed{seed}" if seed is not None else ""
                     r = compress(recipe, model, args, root / name, seed, budget)
                     if r is not None:
