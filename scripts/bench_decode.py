@@ -18,7 +18,7 @@ weights and inputs on ``torch._scaled_mm`` (``--fp8``: Hopper's FP8 tensor cores
 slow reference loop, there to check it runs, not for speed), prompt lookup,
 a W4 copy of the model drafting for it (alone and behind prompt lookup; both speculative
 methods also on the compiled target, whose verify steps round as its one-token steps), lookahead, early exit
-(lossy), EAGLE heads (``--eagle``: eager, compiled, behind prompt lookup, and drafting for the
+(lossy), EAGLE heads (``--eagle``: eager, compiled, as a tree, behind prompt lookup, and drafting for the
 ``--w4`` export), a KIVI cache (``--kivi``: an export of ``kv-int4``; the engine reproduces KIVI's
 numerics at dense speed, not its memory), and llama.cpp on the bundled
 GGUF when llama-cpp-python is installed. Columns: tokens/s; × transformers' eager fp32 greedy;
@@ -285,6 +285,8 @@ def main() -> None:
     for folder in args.eagle:  # a head drafts up to 7 tokens: a compiled verify step has 8 rows
         head, label = eagle_head.load_matching(folder, base.config), Path(folder).name
         rows[f"ours EAGLE head ({label}), {plain}"] = engine_row(base, "eagle", head=head, k=7)
+        # a tree of 15 drafted tokens and its root fill the 16 rows a verify step scores exactly
+        rows[f"ours EAGLE tree of 15 ({label}), {plain}"] = engine_row(base, "eagle-tree", head=head, k=15)
         if not cuda:
             rows[f"ours EAGLE head ({label}), compiled"] = engine_row(base, "eagle", compile=True, head=head, k=7)
             rows[f"ours EAGLE head ({label}) + prompt lookup, compiled"] = engine_row(
