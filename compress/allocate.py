@@ -402,7 +402,6 @@ def measure(
             summed = {n: dict.fromkeys(options[n], 0.0) for n in mine}
             grads = _backward(block, errors, inputs[i], grads, calls[i], summed)
             costs |= {n: {c: total / tokens for c, total in summed[n].items()} for n in summed}
-            del errors
             cast_params(block, home, storage)
         inputs[i] = None
     return costs
