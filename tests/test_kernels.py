@@ -270,6 +270,24 @@ def test_a_bf16_kv_cache_under_the_fp32_stream_is_asked_for():
 
 
 @needs_native
+def test_a_compiled_engine_does_not_mix_our_bf16_kernel_with_the_compilers(monkeypatch):
+    """A mix would pad every compiled step (``rows_alone`` is all or nothing) and so leave its
+    verify steps one row, turning every speculative method into plain greedy: whichever group
+    times faster on the compiler's GEMM, all take ours once one does."""
+    layers = tiny("llama").to(torch.bfloat16).model.layers
+    groups = {"o": [[layer.self_attn.o_proj] for layer in layers], "down": [[layer.mlp.down_proj] for layer in layers]}
+    faster = {"o": "bf16-avx2", "down": "bf16"}  # as one-row timings on a busy machine can say
+
+    def timed(key, device):
+        group = "o" if "'o'" in key else "down"
+        return {f: 1.0 if f == faster[group] else 2.0 for f in ("bf16", "bf16-avx2")}
+
+    monkeypatch.setattr(choice, "_timed", timed)
+    assert choice.choose(groups, "auto", CPU)[0] == faster
+    assert choice.choose(groups, "auto", CPU, compiled=True)[0] == {"o": "bf16-avx2", "down": "bf16-avx2"}
+
+
+@needs_native
 def test_native_bf16_product_and_attention_compute_what_torch_computes():
     generator = torch.Generator().manual_seed(0)
     weight, x = torch.randn(40, 96, generator=generator).bfloat16(), torch.randn(3, 96, generator=generator)

@@ -213,7 +213,7 @@ def choose(
     offers only bf16 among them where it is exact (half the bytes of fp32; what eager
     timings say of oneDNN and MKL does not carry over).
     """
-    formats, timings = {}, {}
+    formats, timings, offered = {}, {}, {}
     for name, layers in groups.items():
         if lossy and lossy.get(name) == "argmax" and argmax_fits(layers[0], device):
             formats[name] = ARGMAX
@@ -263,4 +263,12 @@ def choose(
         else:  # dense, or a format that does not hold these weights: bf16 for a bf16 format, else fp32
             bf16_rows = kernel in KERNELS and KERNELS[kernel].dtype == torch.bfloat16
             formats[name] = "bf16" if bf16_rows and "bf16" in exact else "fp32"
+        offered[name] = exact
+    if compiled and "bf16-avx2" in formats.values():
+        # one compiled group on the compiler's bf16 GEMM among ours would pad every step to its
+        # rows (``Engine.rows_alone`` is all or nothing) and so leave verify steps one row: the
+        # speculative methods would decode as plain greedy.
+        for name, fmt in formats.items():
+            if fmt == "bf16" and "bf16-avx2" in offered.get(name, ()):
+                formats[name] = "bf16-avx2"
     return formats, timings
