@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -248,7 +249,13 @@ def speculate(
 ) -> DecodeResult:
     """Propose up to ``k`` tokens, verify them in one target forward, keep what the target accepts."""
     runner, start = runner_for(model, cache), time.perf_counter()
-    k = min(k, getattr(runner, "step_tokens", k + 1) - 1)  # a compiled engine's verify step has fixed rows
+    asked, k = k, min(k, getattr(runner, "step_tokens", k + 1) - 1)  # a compiled engine's steps have fixed rows
+    if k < 1 <= asked:
+        print(
+            "[decode: this engine's steps take one token (its kernels' cost grows with rows); "
+            "nothing is drafted and this decodes as plain greedy]",
+            file=sys.stderr,
+        )
     generator = torch.Generator().manual_seed(sampling.seed)
     context = prompt.reshape(-1).tolist()
     logits = runner.forward(prompt, all_logits=False)[-1:]
