@@ -211,7 +211,9 @@ def choose(
     else the exact formats, whose largest logit is the same). ``compiled`` (a CPU engine under
     AOTInductor): the float formats all become the compiler's own GEMM, so ``auto``
     offers only bf16 among them where it is exact (half the bytes of fp32; what eager
-    timings say of oneDNN and MKL does not carry over).
+    timings say of oneDNN and MKL does not carry over), and once one group takes our bf16 kernel
+    every group it holds does (a compiled step takes only its tokens' rows when all of its
+    kernels compute each row alone).
     """
     formats, timings, offered = {}, {}, {}
     for name, layers in groups.items():
