@@ -266,11 +266,15 @@ def choose(
             bf16_rows = kernel in KERNELS and KERNELS[kernel].dtype == torch.bfloat16
             formats[name] = "bf16" if bf16_rows and "bf16" in exact else "fp32"
         offered[name] = exact
-    if compiled and "bf16-avx2" in formats.values():
-        # one compiled group on the compiler's bf16 GEMM among ours would pad every step to its
-        # rows (``Engine.rows_alone`` is all or nothing) and so leave verify steps one row: the
-        # speculative methods would decode as plain greedy.
-        for name, fmt in formats.items():
-            if fmt == "bf16" and "bf16-avx2" in offered.get(name, ()):
-                formats[name] = "bf16-avx2"
-    return formats, timings
+    return (_ours_throughout(formats, offered) if compiled else formats), timings
+
+
+def _ours_throughout(formats: dict[str, str], offered: dict[str, list[str]]) -> dict[str, str]:
+    """``formats`` with our bf16 kernel in every group it holds once one group has it: one compiled
+    group on the compiler's bf16 GEMM among ours would pad every step to its rows
+    (``Engine.rows_alone`` is all or nothing) and so leave verify steps one row, and the
+    speculative methods would decode as plain greedy."""
+    if "bf16-avx2" not in formats.values():
+        return formats
+    ours = {n for n, f in formats.items() if f == "bf16" and "bf16-avx2" in offered.get(n, ())}
+    return {n: "bf16-avx2" if n in ours else f for n, f in formats.items()}
